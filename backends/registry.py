@@ -1,0 +1,74 @@
+"""The op registry: backends declare (op, implementation, capability check); the dispatcher reads it.
+
+A capability check takes the op's call arguments and returns a list of reasons the backend cannot
+serve that call (wrong device, arch, dtype, shape limit, missing package). Empty means it can.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from spec.constants import OPS
+
+Check = Callable[..., List[str]]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    check: Optional[Check] = None
+
+    def reasons(self, *args, **kwargs) -> List[str]:
+        """Why this implementation cannot serve the call; [] when it can."""
+        if self.check is None:
+            return []
+        try:
+            return list(self.check(*args, **kwargs))
+        except Exception as exc:  # a broken check must never hide as "available"
+            return [f"capability check raised {type(exc).__name__}: {exc}"]
+
+
+@dataclass
+class BackendInfo:
+    name: str
+    available: bool
+    version: str = ""
+    reasons: List[str] = field(default_factory=list)
+
+
+_lock = threading.RLock()
+_impls: Dict[str, Dict[str, Implementation]] = {op: {} for op in OPS}
+_backends: Dict[str, BackendInfo] = {}
+
+
+def register(op: str, backend: str, check: Optional[Check] = None):
+    """Decorator: register `fn` as `backend`'s implementation of `op`."""
+    if op not in _impls:
+        raise ValueError(f"register: unknown op {op!r}; valid ops: {', '.join(OPS)}")
+
+    def deco(fn):
+        with _lock:
+            _impls[op][backend] = Implementation(op, backend, fn, check)
+            _backends.setdefault(backend, BackendInfo(backend, True))
+        return fn
+
+    return deco
+
+
+def declare_backend(name: str, available: bool, version: str = "", reasons: Optional[List[str]] = None):
+    """Record a backend's import-time availability (a backend whose package is missing still shows)."""
+    with _lock:
+        _backends[name] = BackendInfo(name, available, version, list(reasons or []))
+
+
+def implementations(op: str) -> Dict[str, Implementation]:
+    with _lock:
+        return dict(_impls[op])
+
+
+def backend_infos() -> Dict[str, BackendInfo]:
+    with _lock:
+        return dict(_backends)

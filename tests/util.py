@@ -1,0 +1,79 @@
+"""Shared test helpers: byte comparison, seeded inputs at several magnitudes, special values, poison."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+F8E4M3 = ml_dtypes.float8_e4m3fn
+F8E5M2 = ml_dtypes.float8_e5m2
+
+
+def as_bytes(a) -> np.ndarray:
+    """Raw bytes of a NumPy array or torch tensor (any dtype) as a flat uint8 array."""
+    if hasattr(a, "detach"):  # torch
+        from backends.convert import to_numpy
+
+        a = to_numpy(a)
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(np.uint8)
+
+
+def assert_bytes_equal(actual, expected, what: str = "") -> None:
+    """Byte-for-byte equality; on failure report count and first mismatching element."""
+    a, e = np.ascontiguousarray(_np(actual)), np.ascontiguousarray(_np(expected))
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert a.dtype.itemsize == e.dtype.itemsize, f"{what}: itemsize {a.dtype} != {e.dtype}"
+    ab, eb = as_bytes(a), as_bytes(e)
+    if not np.array_equal(ab, eb):
+        k = a.dtype.itemsize
+        bad = np.nonzero((ab != eb).reshape(-1, k).any(axis=1))[0]
+        i = int(bad[0])
+        idx = np.unravel_index(i, a.shape) if a.ndim else ()
+        raise AssertionError(
+            f"{what}: {bad.size} of {a.size} elements differ; first at {idx}: "
+            f"got {a.reshape(-1)[i]!r} (0x{ab[i*k:(i+1)*k].tobytes().hex()}), "
+            f"expected {e.reshape(-1)[i]!r} (0x{eb[i*k:(i+1)*k].tobytes().hex()})"
+        )
+
+
+def _np(a):
+    if hasattr(a, "detach"):
+        from backends.convert import to_numpy
+
+        return to_numpy(a)
+    return np.asarray(a)
+
+
+def random_magnitudes(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
+    """Normal data with each row scaled by a magnitude from 2^-30 to 2^30 (several binades)."""
+    x = rng.standard_normal(shape).astype(np.float64)
+    if len(shape) >= 1:
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        mags = 2.0 ** rng.integers(-30, 31, size=rows)
+        x = (x.reshape(rows, -1) * mags[:, None]).reshape(shape)
+    return x.astype(np.float32).astype(dtype)
+
+
+def special_values_f32() -> np.ndarray:
+    """fp32 values every quantizer must handle: zeros, subnormals, format maxima, non-finite, and
+    values one ulp either side of powers of two."""
+    f32 = np.float32
+    vals = [
+        0.0, -0.0, 1.0, -1.0, 448.0, -448.0, 480.0, -480.0, 449.0, 57344.0, -57344.0, 61440.0,
+        2.0 ** -6, 2.0 ** -9, 2.0 ** -14, 2.0 ** -16, 2.0 ** -126, 2.0 ** -127, 2.0 ** -149,
+        float(np.finfo(np.float32).max), float(ml_dtypes.finfo(BF16).max),
+        float(ml_dtypes.finfo(BF16).smallest_subnormal), float(ml_dtypes.finfo(BF16).smallest_normal),
+        np.inf, -np.inf, np.nan,
+    ]
+    for p in (-10, -1, 0, 1, 8, 9, 15, 16):
+        v = f32(2.0 ** p)
+        vals += [np.nextafter(v, f32(0)), np.nextafter(v, f32(np.inf))]
+    return np.array(vals, dtype=np.float32)
+
+
+def poison_like(a) -> np.ndarray:
+    """An array of a's shape and dtype filled with 0xFF bytes (NaN for floats)."""
+    out = np.empty_like(np.asarray(a))
+    out.view(np.uint8)[...] = 0xFF
+    return out
