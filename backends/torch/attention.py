@@ -1,0 +1,1 @@
+"""STUB: torch backend for attention (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""STUB: torch backend for gemm (see docs/ARCHITECTURE.md)."""

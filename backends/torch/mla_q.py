@@ -1,0 +1,1 @@
+"""STUB: torch backend for mla_q (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""STUB: torch backend for quantize (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,1 @@
+"""STUB: torch backend for rmsnorm (see docs/ARCHITECTURE.md)."""

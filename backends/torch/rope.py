@@ -1,0 +1,1 @@
+"""STUB: torch backend for rope (see docs/ARCHITECTURE.md)."""

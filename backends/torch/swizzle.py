@@ -1,0 +1,1 @@
+"""STUB: torch backend for swizzle (see docs/ARCHITECTURE.md)."""

@@ -1,0 +1,62 @@
+"""Conformance harness: every op on every backend present on this machine, against spec.
+
+Parametrize a test with the `target` fixture: it yields (backend, device) for torch/triton/cudnn on
+cpu/cuda, skipping with the reason when the device or backend is absent here. `run_on(target, op, ...)`
+calls the op through the dispatcher with that backend named, skipping (with the backend's own reasons)
+when the backend does not serve this call, so the report shows why a cell is empty.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+TARGETS = [
+    ("torch", "cpu"),
+    ("torch", "cuda"),
+    ("triton", "cpu"),
+    ("triton", "cuda"),
+    ("cudnn", "cuda"),
+]
+
+
+def _skip_reason(backend: str, device: str):
+    if torch is None:
+        return "torch is not installed"
+    if device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device on this machine"
+    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton on CPU needs TRITON_INTERPRET=1"
+    import backends
+
+    backends.load()
+    info = backends.backend_infos().get(backend)
+    if info is None or not info.available:
+        reasons = "; ".join(info.reasons) if info else "not registered"
+        return f"backend {backend} unavailable: {reasons}"
+    return None
+
+
+@pytest.fixture(params=TARGETS, ids=[f"{b}-{d}" for b, d in TARGETS])
+def target(request):
+    backend, device = request.param
+    reason = _skip_reason(backend, device)
+    if reason:
+        pytest.skip(reason)
+    return backend, device
+
+
+def run_on(target, op, *args, **kwargs):
+    """Run `op` on the target backend; skip (with reasons) when that backend cannot serve the call."""
+    import dispatch
+
+    backend, _ = target
+    try:
+        return dispatch.run(op, *args, backend=backend, **kwargs)
+    except dispatch.BackendUnavailable as exc:
+        pytest.skip(str(exc))
