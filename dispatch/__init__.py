@@ -1,0 +1,199 @@
+"""Backend selection: `run(op, *args, backend=None, **kw)`.
+
+With no backend named (argument or MXMLA_BACKEND), the first backend in the device's priority order
+whose capability check accepts the call serves it (CUDA: cudnn, triton, torch; CPU: torch). `spec`
+serves only when named. A named backend that cannot serve raises BackendUnavailable with every reason:
+the dispatcher never swaps in another backend behind the caller's back.
+
+Arguments are validated once per call signature by spec's validators, before any backend runs, so
+every backend raises the same errors. Selections are cached per (op, backend request, MXMLA_BACKEND,
+call signature); the cache is thread-safe and a change of MXMLA_BACKEND selects afresh.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+import backends as _backends
+import spec as _spec
+from backends.convert import device_of
+from spec.constants import OPS
+
+from .errors import BackendUnavailable, DispatchConfigError
+from .policy import KNOWN_BACKENDS, parse_backend_list, parse_policy, requested_backends
+from .signature import call_signature
+
+log = logging.getLogger("mxmla.dispatch")
+
+ENV_VAR = "MXMLA_BACKEND"
+PRIORITY = {"cuda": ("cudnn", "triton", "torch"), "cpu": ("torch",), None: ()}
+
+_cache: Dict[tuple, Any] = {}
+_cache_lock = threading.Lock()
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise DispatchConfigError(f"op: unknown op {op!r}; valid ops: {', '.join(OPS)}")
+
+
+def _device_kind(args, kwargs) -> Optional[str]:
+    dev = device_of(*args, **kwargs)
+    if dev is None:
+        return None
+    return "cuda" if dev.type == "cuda" else "cpu"
+
+
+def _same_device(op: str, args, kwargs) -> None:
+    seen: Dict[str, str] = {}
+    named = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+    for name, v in named:
+        dev = device_of(v)
+        if dev is not None:
+            seen.setdefault(str(dev), name)
+    if len(seen) > 1:
+        where = ", ".join(f"{name} on {dev}" for dev, name in seen.items())
+        raise ValueError(f"{op}: expected all tensors on one device, got {where}")
+
+
+def _request(op: str, backend: Optional[str]) -> Tuple[Optional[Tuple[str, ...]], str]:
+    """(the backend tuple asked for, or None for automatic; where the request came from)."""
+    if backend is not None:
+        return parse_backend_list(backend, "backend"), "argument backend="
+    env = os.environ.get(ENV_VAR)
+    return requested_backends(parse_policy(env), op), f"{ENV_VAR}={env!r}"
+
+
+def _evaluate(op: str, candidates, args, kwargs) -> Tuple[Optional[Any], Dict[str, List[str]]]:
+    impls = _backends.implementations(op)
+    infos = _backends.backend_infos()
+    reasons: Dict[str, List[str]] = {}
+    for name in candidates:
+        info = infos.get(name)
+        if info is not None and not info.available:
+            reasons[name] = list(info.reasons) or ["backend unavailable"]
+            continue
+        impl = impls.get(name)
+        if impl is None:
+            reasons[name] = [f"backend {name} does not implement {op}"]
+            continue
+        why = impl.reasons(*args, **kwargs)
+        if not why:
+            return impl, reasons
+        reasons[name] = why
+    return None, reasons
+
+
+def _select(op: str, backend: Optional[str], args, kwargs):
+    env = os.environ.get(ENV_VAR) if backend is None else None
+    key = (op, backend, env, call_signature(args, kwargs))
+    impl = _cache.get(key)
+    if impl is not None:
+        return impl
+    _check_op(op)
+    _backends.load()
+    _spec.VALIDATORS[op](*args, **kwargs)
+    _same_device(op, args, kwargs)
+    requested, source = _request(op, backend)
+    candidates = requested if requested is not None else PRIORITY[_device_kind(args, kwargs)]
+    impl, reasons = _evaluate(op, candidates, args, kwargs)
+    if impl is None:
+        if requested is None and not candidates:
+            reasons = {"auto": ["NumPy inputs: name backend='spec' (the reference) or pass torch tensors"]}
+        raise BackendUnavailable(op, f"{','.join(candidates)} ({source})" if requested else "auto", reasons)
+    with _cache_lock:
+        _cache[key] = impl
+    log.debug("%s -> %s (%s; rejected: %s)", op, impl.backend, source if requested else "auto", reasons)
+    return impl
+
+
+def run(op: str, *args, backend: Optional[str] = None, **kwargs):
+    """Run `op` on the chosen backend. See the module docstring for how the choice is made."""
+    return _select(op, backend, args, kwargs).fn(*args, **kwargs)
+
+
+def select(op: str, *args, backend: Optional[str] = None, **kwargs) -> str:
+    """The name of the backend `run` would use for this call."""
+    return _select(op, backend, args, kwargs).backend
+
+
+def explain(op: str, *args, backend: Optional[str] = None, print_table: bool = True, **kwargs) -> List[dict]:
+    """Every backend's verdict on this call: chosen, accepted, or rejected with its reasons."""
+    _check_op(op)
+    _backends.load()
+    _spec.VALIDATORS[op](*args, **kwargs)
+    requested, source = _request(op, backend)
+    device = _device_kind(args, kwargs)
+    order = requested if requested is not None else PRIORITY[device]
+    chosen, _ = _evaluate(op, order, args, kwargs)
+    rows = []
+    impls = _backends.implementations(op)
+    infos = _backends.backend_infos()
+    for name in KNOWN_BACKENDS:
+        info = infos.get(name)
+        if info is not None and not info.available:
+            why = list(info.reasons) or ["backend unavailable"]
+        elif name not in impls:
+            why = [f"backend {name} does not implement {op}"]
+        else:
+            why = impls[name].reasons(*args, **kwargs)
+        if name == "spec" and not why and (requested is None or name not in requested):
+            note = "serves only when named"
+        elif requested is not None and name not in requested:
+            note = f"not requested ({source})"
+        elif requested is None and name not in order:
+            note = f"not in the {device or 'NumPy'} priority order"
+        else:
+            note = ""
+        rows.append({
+            "backend": name,
+            "chosen": chosen is not None and chosen.backend == name,
+            "accepts": not why,
+            "reasons": why,
+            "note": note,
+        })
+    if print_table:
+        print(format_explain(op, rows, chosen.backend if chosen else None, source if requested else "auto"))
+    return rows
+
+
+def format_explain(op: str, rows: List[dict], chosen: Optional[str], source: str) -> str:
+    lines = [f"{op}: chosen {chosen or 'NONE'} ({source})", f"  {'backend':8} {'verdict':9} why"]
+    for r in rows:
+        verdict = "CHOSEN" if r["chosen"] else ("accepts" if r["accepts"] else "rejects")
+        why = "; ".join(r["reasons"]) or r["note"]
+        if r["reasons"] and r["note"]:
+            why += f" ({r['note']})"
+        lines.append(f"  {r['backend']:8} {verdict:9} {why}")
+    return "\n".join(lines)
+
+
+def backends() -> List[dict]:
+    """Every known backend with availability, version and, when unavailable, why."""
+    _backends.load()
+    infos = _backends.backend_infos()
+    out = []
+    for name in KNOWN_BACKENDS:
+        info = infos.get(name)
+        ops = [op for op in OPS if name in _backends.implementations(op)]
+        out.append({
+            "backend": name,
+            "available": bool(info and info.available),
+            "version": info.version if info else "",
+            "reasons": list(info.reasons) if info else ["not registered"],
+            "ops": ops,
+        })
+    return out
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+__all__ = [
+    "run", "select", "explain", "backends", "clear_cache", "BackendUnavailable", "DispatchConfigError",
+    "ENV_VAR", "PRIORITY",
+]
