@@ -51,11 +51,17 @@ def target(request):
     return backend, device
 
 
+# nodeid -> ops a test ran, read by `mxmla check` to build its op x backend table.
+OPS_BY_TEST: dict = {}
+
+
 def run_on(target, op, *args, **kwargs):
     """Run `op` on the target backend; skip (with reasons) when that backend cannot serve the call."""
     import dispatch
 
     backend, _ = target
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    OPS_BY_TEST.setdefault(current, set()).add(op)
     try:
         return dispatch.run(op, *args, backend=backend, **kwargs)
     except dispatch.BackendUnavailable as exc:
