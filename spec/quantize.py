@@ -183,7 +183,8 @@ def encode(y_f32: Any, elem: str = "e4m3") -> np.ndarray:
     y = np.asarray(y_f32, dtype=np.float32)
     lim = np.float32(fmt.max)
     clipped = np.clip(y, -lim, lim)  # NaN passes through clip unchanged
-    codes = clipped.astype(_NUMPY_ELEM_DTYPES[elem]).view(np.uint8)
+    with np.errstate(invalid="ignore"):  # NaN -> fp8 is fixed up below
+        codes = clipped.astype(_NUMPY_ELEM_DTYPES[elem]).view(np.uint8)
     nan = np.isnan(y)
     if nan.any():
         codes = np.where(nan, np.uint8(NAN_CODE), codes)
