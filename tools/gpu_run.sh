@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
+#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench (default: all)
+# Run through the device tool with `.whl` carried (tools/fetch_cudnn_frontend.sh fills it here).
+# Writes logs and JSON under $OUT (or ./gpu_out when $OUT is unset).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PHASES=${*:-info test sanitize bench}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "commit $COMMIT  date $(date -u +%F)  phases: $PHASES"
+summary=()
+
+for phase in $PHASES; do
+  case $phase in
+  info)
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
+    python3 -m dispatch.cli info -v 2>&1 | tee "$OUT/info.txt"
+    ;;
+  test)
+    start=$SECONDS
+    python3 -m pytest tests/conformance -k "cuda" -q -p no:cacheprovider -x --timeout 900 \
+      --junitxml="$OUT/conformance_cuda.xml" -rs 2>&1 | tee "$OUT/conformance_cuda.log" | tail -40
+    rc=${PIPESTATUS[0]}
+    summary+=("conformance(cuda): rc=$rc in $((SECONDS-start)) s: $(tail -1 "$OUT/conformance_cuda.log")")
+    ;;
+  sanitize)
+    start=$SECONDS
+    compute-sanitizer --tool memcheck --error-exitcode 9 python3 tools/sanitize_cases.py 2>&1 \
+      | tee "$OUT/sanitize.log" | tail -15
+    rc=${PIPESTATUS[0]}
+    summary+=("compute-sanitizer memcheck: rc=$rc in $((SECONDS-start)) s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)")
+    ;;
+  bench)
+    for b in benchmarks/bench_*.py; do
+      name=$(basename "$b" .py)
+      start=$SECONDS
+      timeout 300 python3 "$b" --quick --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      rc=$?
+      summary+=("$name: rc=$rc in $((SECONDS-start)) s")
+      tail -25 "$OUT/$name.log"
+    done
+    python3 benchmarks/summarize.py "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/summary.md"
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+echo
+echo "== gpu_run summary (commit $COMMIT) =="
+for line in "${summary[@]}"; do echo "  $line"; done
