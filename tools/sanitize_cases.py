@@ -1,0 +1,63 @@
+"""One small call of each Triton kernel, for `compute-sanitizer --tool memcheck` (tools/gpu_run.sh).
+
+Shapes are small but not tile multiples, so masked edges are exercised. Prints one line per case.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+
+import dispatch
+
+
+def cases():
+    dev = "cuda"
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype).to(dev)
+
+    yield "mxfp8_quantize rowwise+columnwise", lambda: dispatch.run(
+        "mxfp8_quantize", randn(160, 96), axis=(-1, 0), backend="triton")
+    yield "mxfp8_quantize swizzled", lambda: dispatch.run(
+        "mxfp8_quantize", randn(160, 96), axis=-1, scale_layout="swizzled", backend="triton")
+    T, H = 96, 3
+    cos, sin = randn(T, 64, dtype=torch.float32), randn(T, 64, dtype=torch.float32)
+    yield "rope thd", lambda: dispatch.run("rope", randn(T, H, 192), cos, sin, layout="thd", backend="triton")
+    yield "rope_backward thd", lambda: dispatch.run(
+        "rope_backward", randn(T, H, 192), cos, sin, layout="thd", backend="triton")
+    yield "mla_q_uproj_rope_quant", lambda: dispatch.run(
+        "mla_q_uproj_rope_quant", randn(T, 256), randn(H * 192, 256), cos, sin, backend="triton")
+    q, k, v = randn(1, 80, 2, 192), randn(1, 80, 2, 192), randn(1, 80, 2, 128)
+    yield "mla_attention causal", lambda: dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
+
+    def attn_bwd():
+        o, lse = dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
+        return dispatch.run("mla_attention_backward", randn(1, 80, 2, 128), q, k, v, o, lse, causal=True,
+                            backend="triton")
+
+    yield "mla_attention_backward causal", attn_bwd
+    yield "rmsnorm_mxfp8", lambda: dispatch.run(
+        "rmsnorm_mxfp8", randn(96, 256), randn(256, dtype=torch.float32), backend="triton")
+
+
+def main() -> int:
+    failed = 0
+    for name, fn in cases():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            print(f"ran   {name}")
+        except dispatch.BackendUnavailable as exc:
+            print(f"skip  {name}: {str(exc).splitlines()[-1].strip()}")
+        except Exception:  # noqa: BLE001 - report every case
+            failed += 1
+            print(f"FAIL  {name}")
+            traceback.print_exc()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
