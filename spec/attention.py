@@ -16,10 +16,12 @@ Choices this module makes where SEMANTICS.md is silent (each is tested in tests/
   ending at T); bshd/sbhd reject them. A sequence with no keys gives fully masked query rows (o = 0,
   lse = -inf), causal or not.
 - `softmax_scale` is applied to the float64 product q k^T, after the product.
-- Fully masked rows: o = 0 and lse = -inf, whatever v holds. Within a partly masked row a masked key
-  contributes P = 0; a non-finite v at such a key gives 0 * inf = NaN, as a tensor-core kernel that
-  multiplies a partly masked tile would. Non-finite inputs otherwise propagate through the float64
-  arithmetic (IEEE rules).
+- Fully masked rows: o = 0 and lse = -inf, whatever v holds. Otherwise non-finite inputs propagate by
+  IEEE rules through dense float64 products: a masked score is -inf (so k at a masked key never
+  matters in the forward), but v (forward) and k, v (backward) meet P = 0 at masked keys, and a
+  non-finite value there gives 0 * inf = NaN, as a kernel multiplying a partly masked tile would.
+  Kernels that skip whole masked tiles differ there, so conformance keeps non-finite values away
+  from masked keys.
 - o and the gradients are rounded once from float64 to bf16 (RN-even; `_round_f64_to_bf16`, since
   ml_dtypes' own float64 -> bfloat16 cast rounds twice through float32). lse is rounded once to fp32.
 - Backward: P is recomputed as exp(S - lse) with the lse *given* (fp32, widened), and
