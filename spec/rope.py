@@ -271,6 +271,11 @@ def _canonical_nan(a: np.ndarray) -> np.ndarray:
 def _apply(v, cos, sin, pos, first, second, sign, c_cols, s_cols, out_dtype):
     """v: [..., H, D] in any float dtype; pos: int64 shaped v.shape[:-2]. Rotate the last rope_dim
     features with `out[i] = RN(RN(v[first[i]] * c[c_cols[i]]) + sign[i] * RN(v[second[i]] * s[s_cols[i]]))`."""
+    with np.errstate(all="ignore"):  # inf/NaN/overflow follow IEEE; no warnings
+        return _apply_quiet(v, cos, sin, pos, first, second, sign, c_cols, s_cols, out_dtype)
+
+
+def _apply_quiet(v, cos, sin, pos, first, second, sign, c_cols, s_cols, out_dtype):
     rope_dim = cos.shape[-1]
     head_dim = v.shape[-1]
     out_np = _NUMPY_DTYPES[out_dtype or str(v.dtype)]
