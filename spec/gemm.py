@@ -53,7 +53,7 @@ from .constants import E8M0_BIAS, E8M0_NAN, ELEM_FORMATS, OUT_DTYPES
 from .mxtensor import MXTensor
 
 __all__ = ["mxfp8_gemm", "validate_mxfp8_gemm", "dequantize_f64", "exact_matmul_rounded",
-           "round_f64_to", "round_to_odd_f32"]
+           "exact_rowsum_rounded", "round_f64_to", "round_to_odd_f32"]
 
 _OUT_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _NO_BITS = 1 << 20  # quantum exponent of a row with no nonzero entry: anything is exact
@@ -188,6 +188,40 @@ def _odd_sum(products: np.ndarray) -> float:
     return float(np.nextafter(s, math.copysign(math.inf, r)))
 
 
+def _round_sums(s: np.ndarray, abs_sum: np.ndarray, q: np.ndarray, k: int, out_dtype: str,
+                terms) -> np.ndarray:
+    """RN_out of exact sums of k finite float64 terms, given s (the float64 sum in any order, error
+    <= gamma_k * sum |t|), abs_sum (sum |t|, computed likewise), q (every term a multiple of 2^q) and
+    terms(*index) -> the terms of one sum, for the rare exact fallback. Steps 1-3 of the docstring."""
+    # 1. certificate: all partial sums exact.
+    limit = np.ldexp(1.0 - 2.0 ** -20, np.minimum(q + 53, 2000))  # slack covers abs_sum's rounding
+    exact = abs_sum < limit
+    out = round_f64_to(np.where(exact & (s == 0), 0.0, s), out_dtype)  # exact zero -> +0.0
+
+    # 2. error bound: both ends of the interval round alike.
+    todo = ~exact
+    if todo.any():
+        bound = abs_sum[todo] * ((2 * k + 4) * 2.0 ** -53)
+        lo = round_f64_to(s[todo] - bound, out_dtype)
+        hi = round_f64_to(s[todo] + bound, out_dtype)
+        uint = f"u{out.dtype.itemsize}"
+        same = lo.view(uint) == hi.view(uint)
+        idx = np.nonzero(todo)
+        out[tuple(i[same] for i in idx)] = lo[same]
+        # 3. exact per-element fallback.
+        for where in zip(*(i[~same] for i in idx)):
+            out[where] = round_f64_to(np.array(_odd_sum(terms(*where))), out_dtype)
+    return out
+
+
+def exact_rowsum_rounded(terms64: np.ndarray, out_dtype: str, sig_bits: int = 53) -> np.ndarray:
+    """RN_out(exact sum over the last axis) of finite float64 terms [M, K] with <= sig_bits significant
+    bits each (same method as exact_matmul_rounded). Returns [M] of out_dtype."""
+    t = np.ascontiguousarray(terms64, dtype=np.float64)
+    q = _quantum_exponent(t, sig_bits)
+    return _round_sums(t.sum(axis=1), np.abs(t).sum(axis=1), q, t.shape[1], out_dtype, lambda m: t[m])
+
+
 def exact_matmul_rounded(a64: np.ndarray, b64: np.ndarray, out_dtype: str, a_bits: int = 53,
                          b_bits: int = 53) -> np.ndarray:
     """RN_out(exact sum_k a64[m,k] * b64[n,k]) for float64 a64 [M, K], b64 [N, K] whose pairwise
@@ -204,26 +238,8 @@ def exact_matmul_rounded(a64: np.ndarray, b64: np.ndarray, out_dtype: str, a_bit
     s = clean_a @ clean_b.T
     abs_sum = np.abs(clean_a) @ np.abs(clean_b).T  # >= true sum |p| * (1 - K 2^-53)
 
-    # 1. certificate: all partial sums exact.
     q = _quantum_exponent(clean_a, a_bits)[:, None] + _quantum_exponent(clean_b, b_bits)[None, :]
-    limit = np.ldexp(1.0 - 2.0 ** -20, np.minimum(q + 53, 2000))  # slack covers abs_sum's rounding
-    exact = abs_sum < limit
-    x64 = np.where(exact & (s == 0), 0.0, s)  # exact zero -> +0.0
-    out = round_f64_to(x64, out_dtype)
-
-    # 2. error bound: both ends of the interval round alike.
-    todo = ~exact
-    if todo.any():
-        bound = abs_sum[todo] * ((2 * k + 4) * 2.0 ** -53)
-        lo = round_f64_to(s[todo] - bound, out_dtype)
-        hi = round_f64_to(s[todo] + bound, out_dtype)
-        width = out.dtype.itemsize
-        same = (lo.view(f"u{width}") == hi.view(f"u{width}"))
-        idx = np.nonzero(todo)
-        out[idx[0][same], idx[1][same]] = lo[same]
-        # 3. exact per-element fallback.
-        for m, n in zip(idx[0][~same], idx[1][~same]):
-            out[m, n] = round_f64_to(np.array(_odd_sum(clean_a[m] * clean_b[n])), out_dtype)
+    out = _round_sums(s, abs_sum, q, k, out_dtype, lambda m, n: clean_a[m] * clean_b[n])
 
     if not (a_fin.all() and b_fin.all()):
         rows = ~a_fin.all(1)

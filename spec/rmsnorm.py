@@ -1,9 +1,111 @@
-"""STUB: to be written (see docs/ARCHITECTURE.md)."""
+"""RMSNorm straight to MXFP8 (SEMANTICS.md section 7), NumPy + ml_dtypes.
 
-def rmsnorm_mxfp8(*args, **kwargs):
-    raise NotImplementedError('rmsnorm_mxfp8')
+`rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3") -> (y_row, y_col, rstd)`
+for x [T, D] (float32 / bfloat16 / float16), gamma [D] (same dtype choices), D and T multiples of 32.
+
+Operation order (every step is fp32 with one RN-even rounding, no FMA), per row t:
+1. x is widened to fp32 exactly.
+2. ss    = RN32(sum_k x[t,k]^2)          -- the *exact* sum of the squares, rounded once (the squares
+                                             are exact in float64; the sum is made exact by
+                                             spec.gemm.exact_rowsum_rounded). Overflow -> +Inf.
+3. ms    = RN32(ss * RN32(1/D))           -- multiply by the fp32 reciprocal, as GPU kernels do.
+4. v     = RN32(ms + RN32(eps))
+5. rstd  = RN32(1/sqrt(v))                -- correctly rounded. Computed as float64 1/sqrt(v) then
+                                             rounded to fp32; checked exhaustively over every fp32
+                                             significand (v in [1, 4); other binades scale by 4^k
+                                             exactly) to equal the correctly rounded value.
+6. g     = gamma widened (zero_centered_gamma: g = RN32(gamma + 1)).
+7. y     = RN32(RN32(x * rstd) * g)       -- x times rstd first, then gamma (TE's order).
+8. y_row = mxfp8_quantize(y, axis=-1), y_col = mxfp8_quantize(y, axis=0): elem as given, rceil,
+           saturate, compact scales, both from the fp32 y (no bf16 round trip).
+Returns (y_row, y_col, rstd) with rstd fp32 [T].
+
+What a GPU backend can match (SEMANTICS is silent; this is the contract for backends):
+- Steps 6-8 are bit-exact given rstd: y and its bytes follow from rstd, x and gamma alone.
+- Steps 2-5 are not: a GPU reduces the squares in fp32 in its own tree order (relative error of ss
+  <= (D-1) * 2^-24 in the worst case, ~sqrt(D) * 2^-24 typically), may contract step 3/4 into an FMA
+  and uses an approximate rsqrt (CUDA rsqrtf: <= 2 ulp). rstd is therefore bit-exact only up to
+  that. Backends are held to |rstd - spec| <= (D + 12) * 2^-25 * |spec|: any-order fp32 summation
+  of D positive terms is within (D - 1) * 2^-24 relative, steps 3 and 4 add 2^-24 each, the square
+  root halves the relative error, and rsqrtf (2 ulp) plus the final rounding add <= 5 * 2^-24 --
+  (D + 1)/2 + 5 <= (D + 12)/2 units of 2^-24. Their y bytes must equal quantize(RN32(RN32(x *
+  backend_rstd) * g)): the tests rebuild y from the backend's own rstd.
+- The eager torch backend on CPU computes step 2 with a float64 sum (exact for the data in the
+  tests; otherwise within one fp32 rounding) and steps 3-8 exactly as above.
+
+Non-finite and edge values (IEEE arithmetic, no special cases): a NaN in a row makes ss, rstd and
+the row's y NaN (code 0x7F); an Inf makes ss = Inf, rstd = 0, y = Inf * 0 = NaN at the Inf and +-0
+elsewhere. A finite row whose ss overflows fp32 likewise gets rstd = 0 and y = +-0. eps = 0 with an
+all-zero row gives v = 0, rstd = +Inf and y = 0 * Inf = NaN. eps must be a finite number >= 0.
+"""
+from __future__ import annotations
+
+from numbers import Real
+
+import numpy as np
+
+from . import checks
+from .constants import BLOCK_SIZE, ELEM_FORMATS, FLOAT_DTYPES
+from .gemm import exact_rowsum_rounded
+from .quantize import mxfp8_quantize
+
+__all__ = ["rmsnorm_mxfp8", "validate_rmsnorm_mxfp8", "rmsnorm_rstd", "rmsnorm_apply"]
 
 
-def validate_rmsnorm_mxfp8(*args, **kwargs):
-    pass
+def validate_rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
+    """Raise TypeError/ValueError naming the first bad argument of `rmsnorm_mxfp8`."""
+    checks.require_dtype("x", x, FLOAT_DTYPES)
+    checks.require_ndim("x", x, (2,))
+    checks.require_multiple("x", x.shape[1], BLOCK_SIZE, "dim 1 (D, blocked rowwise)")
+    checks.require_multiple("x", x.shape[0], BLOCK_SIZE, "dim 0 (T, blocked columnwise)")
+    checks.require_dtype("gamma", gamma, FLOAT_DTYPES)
+    checks.require_ndim("gamma", gamma, (1,))
+    checks.require_dim("gamma", gamma, 0, x.shape[1], "D of x")
+    if isinstance(eps, bool) or not isinstance(eps, Real):
+        raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
+    if not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
+    if not isinstance(zero_centered_gamma, (bool, np.bool_)):
+        raise TypeError(f"zero_centered_gamma: expected a bool, got {type(zero_centered_gamma).__name__}")
+    checks.require_choice("elem", elem, tuple(ELEM_FORMATS))
 
+
+def rmsnorm_rstd(x32: np.ndarray, eps: float) -> np.ndarray:
+    """Steps 2-5: fp32 rstd [T] of fp32 x [T, D]."""
+    d = x32.shape[1]
+    sq = x32.astype(np.float64) ** 2  # exact: 48 significant bits
+    finite = np.isfinite(sq).all(axis=1)
+    with np.errstate(over="ignore"):
+        ss = exact_rowsum_rounded(np.where(np.isfinite(sq), sq, 0.0), "float32", 48)
+        # rows holding Inf/NaN: the IEEE sum (NaN if any NaN, else +Inf)
+        ss = np.where(finite, ss, sq.sum(axis=1).astype(np.float32))
+    inv_d = np.float32(1.0) / np.float32(d)  # RN32(1/D)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        ms = ss * inv_d
+        v = ms + np.float32(eps)
+        rstd = (1.0 / np.sqrt(v.astype(np.float64))).astype(np.float32)
+    return rstd
+
+
+def rmsnorm_apply(x32: np.ndarray, gamma, rstd: np.ndarray, zero_centered_gamma: bool) -> np.ndarray:
+    """Steps 6-7: fp32 y [T, D] from fp32 x, gamma (any float dtype) and fp32 rstd [T]."""
+    g = np.asarray(gamma).astype(np.float32)
+    if zero_centered_gamma:
+        g = g + np.float32(1.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (x32 * rstd[:, None]) * g[None, :]
+
+
+def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
+    """RMSNorm of x [T, D] with gamma [D], quantized rowwise and columnwise to MXFP8 from fp32.
+
+    Returns (y_row: MXTensor blocked on axis 1, y_col: MXTensor blocked on axis 0, rstd: fp32 [T]).
+    Exact operation order and what backends can match: module docstring.
+    """
+    validate_rmsnorm_mxfp8(x, gamma, eps, zero_centered_gamma, elem)
+    x32 = np.asarray(x).astype(np.float32)
+    rstd = rmsnorm_rstd(x32, eps)
+    y = rmsnorm_apply(x32, gamma, rstd, bool(zero_centered_gamma))
+    y_row, y_col = mxfp8_quantize(y, axis=(-1, 0), elem=elem, scale_mode="rceil", nonfinite="saturate",
+                                  scale_layout="compact")
+    return y_row, y_col, rstd
