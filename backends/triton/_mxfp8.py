@@ -1,0 +1,106 @@
+"""MXFP8 device functions shared by the Triton kernels: E8M0 scale bytes, scale multipliers and e4m3
+element codes, bit-exact to spec.quantize (SEMANTICS.md 1.1, 1.3 "saturate", 1.4).
+
+Everything works on fp32 bit patterns held in int32 lanes, so the tested path (Triton's CPU
+interpreter) and the GPU path compute the same bits. One exception, chosen by the caller through
+`HW_CVT`: the final fp32 -> e4m3 rounding. On the GPU it is the hardware `cvt.rn.satfinite.e4m3x2.f32`
+(round to nearest even, saturating), a couple of instructions per element where a compute-bound
+epilogue cannot afford the ~15 integer ops of the bit version. Triton's interpreter gets that
+conversion wrong (it truncates and overflows to NaN), so interpreter runs use the bit version
+(`encode_e4m3_bits`), which is the definition spelled out; the two agree on every fp32 input
+(RN-even, clamp to +-448, NaN -> 0x7F, signed zero kept), and the GPU conformance tests check it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# fp32 bit patterns (SEMANTICS 1.1 / 1.4).
+F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+F32_INF_BITS = tl.constexpr(0x7F800000)
+F32_MANT_MASK = tl.constexpr(0x007FFFFF)
+HALF_SUBNORMAL_MANT = tl.constexpr(0x00400000)  # fp32 bits of 2^-127
+E4M3_INV_MAX_BITS = tl.constexpr(0x3B124925)  # RN_f32(1/448), the rceil multiplier R
+E4M3_MAX = tl.constexpr(448.0)
+E4M3_MAX_BITS = tl.constexpr(0x43E00000)  # fp32 bits of 448
+E4M3_MIN_NORMAL_BITS = tl.constexpr(0x3C800000)  # fp32 bits of 2^-6
+E4M3_NAN_CODE = tl.constexpr(0x7F)
+
+
+@triton.jit
+def abs_bits_ignoring_nan(v):
+    """int32 bits of |v| with NaN lanes replaced by +0. For non-negative floats the integer order of
+    the bits is the float order, so an integer max over these is the amax of SEMANTICS 1.1 step 1
+    (NaN ignored, starting from +0; Inf gives the Inf bits)."""
+    bits = v.to(tl.int32, bitcast=True) & F32_ABS_MASK
+    return tl.where(bits > F32_INF_BITS, 0, bits)
+
+
+@triton.jit
+def rceil_scale_from_amax_bits(amax_bits):
+    """E8M0 byte (int32 lanes, 0..255) of an e4m3 block from its amax bits, "rceil" mode
+    (SEMANTICS 1.1 steps 2-3): p = RN_f32(amax * R), then the exponent-bit rule on p.
+    Under the saturate policy an Inf amax gives p = Inf -> 254, which this rule already yields."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    r = tl.full(amax_bits.shape, E4M3_INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+    p = (amax * r).to(tl.int32, bitcast=True)  # one fp32 multiply, never a division or log2
+    biased = (p >> 23) & 0xFF
+    mant = p & F32_MANT_MASK
+    e = biased + (mant > 0).to(tl.int32)
+    e = tl.where(biased == 254, 254, e)  # p >= 2^127: the largest finite scale
+    e = tl.where((biased == 0) & (mant <= HALF_SUBNORMAL_MANT), 0, e)  # p <= 2^-127
+    e = tl.where(biased == 255, tl.where(mant > 0, 255, 254), e)  # NaN p -> 255, Inf -> 254
+    return e
+
+
+@triton.jit
+def scale_multiplier(e):
+    """fp32 s_inv = exact 2^(127 - e) for E8M0 bytes e in int32 lanes (e = 254 -> the subnormal
+    2^-127, e = 255 -> NaN), the factor the element codes are computed with (SEMANTICS 1.4)."""
+    bits = tl.where(e <= 253, (254 - e) << 23, HALF_SUBNORMAL_MANT)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def scale_value(e):
+    """fp32 2^(e - 127) for E8M0 bytes e in int32 lanes (e = 0 -> the subnormal 2^-127, 255 -> NaN):
+    the factor a dequantized element carries (SEMANTICS 2)."""
+    bits = tl.where(e == 0, HALF_SUBNORMAL_MANT, e << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_e4m3_bits(y):
+    """uint8 e4m3 codes of fp32 y on integer bits: RN-even with saturation to +-448 (Inf -> +-448),
+    NaN -> 0x7F, the sign of zero kept, subnormal codes produced normally (SEMANTICS 1.4)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80  # arithmetic shift: negative lanes give ...1xxxxxxx
+    mag = bits & F32_ABS_MASK
+    is_nan = mag > F32_INF_BITS
+    mag = tl.minimum(mag, E4M3_MAX_BITS)  # saturate (integer order = float order for |y|)
+    # Normal range (|y| >= 2^-6): keep 3 mantissa bits, rounding to nearest even on the bits; a carry
+    # bumps the exponent, as RN does. Rebias the exponent from 127 to 7: subtract 120 << 3.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal range: the code is RN_even(|y| * 2^9), an integer 0..8 (8 is the code of 2^-6).
+    # |y| * 512 is exact; adding 2^23 rounds it to an integer in fp32 (ties to even), read off the bits.
+    scaled = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    subnormal = scaled.to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(mag < E4M3_MIN_NORMAL_BITS, subnormal, normal) | sign
+    code = tl.where(is_nan, E4M3_NAN_CODE, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def encode_e4m3(y, HW_CVT: tl.constexpr):
+    """uint8 e4m3 codes of fp32 y (same result as encode_e4m3_bits). HW_CVT: use the GPU's
+    cvt.rn.satfinite (module docstring); the explicit clamp makes saturation independent of the
+    conversion's overflow rule, and NaN lanes (which the clamp may turn into +-448) are fixed after."""
+    if HW_CVT:
+        clamped = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(y != y, E4M3_NAN_CODE, code).to(tl.uint8)
+    else:
+        return encode_e4m3_bits(y)
+
