@@ -194,7 +194,7 @@ def _round_sums(s: np.ndarray, abs_sum: np.ndarray, q: np.ndarray, k: int, out_d
     <= gamma_k * sum |t|), abs_sum (sum |t|, computed likewise), q (every term a multiple of 2^q) and
     terms(*index) -> the terms of one sum, for the rare exact fallback. Steps 1-3 of the docstring."""
     # 1. certificate: all partial sums exact.
-    limit = np.ldexp(1.0 - 2.0 ** -20, np.minimum(q + 53, 2000))  # slack covers abs_sum's rounding
+    limit = np.ldexp(1.0 - 2.0 ** -20, np.minimum(q + 53, 1000))  # slack covers abs_sum's rounding
     exact = abs_sum < limit
     out = round_f64_to(np.where(exact & (s == 0), 0.0, s), out_dtype)  # exact zero -> +0.0
 
