@@ -6,7 +6,9 @@ serves only when named. A named backend that cannot serve raises BackendUnavaila
 the dispatcher never swaps in another backend behind the caller's back.
 
 Arguments are validated once per call signature by spec's validators, before any backend runs, so
-every backend raises the same errors. Selections are cached per (op, backend request, MXMLA_BACKEND,
+every backend raises the same errors. That validation covers shapes, dtypes, divisibility and choices;
+checks of index-tensor values (cu_seqlens monotone, positions inside the table) need the data, so only
+the spec backend runs them (a CUDA backend reading them would synchronise the device every call). Selections are cached per (op, backend request, MXMLA_BACKEND,
 call signature); the cache is thread-safe and a change of MXMLA_BACKEND selects afresh.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import backends as _backends
 import spec as _spec
 from backends.convert import device_of
+from spec.checks import shape_checks_only
 from spec.constants import OPS
 
 from .errors import BackendUnavailable, DispatchConfigError
@@ -94,7 +97,8 @@ def _select(op: str, backend: Optional[str], args, kwargs):
         return impl
     _check_op(op)
     _backends.load()
-    _spec.VALIDATORS[op](*args, **kwargs)
+    with shape_checks_only():
+        _spec.VALIDATORS[op](*args, **kwargs)
     _same_device(op, args, kwargs)
     requested, source = _request(op, backend)
     candidates = requested if requested is not None else PRIORITY[_device_kind(args, kwargs)]
@@ -123,7 +127,8 @@ def explain(op: str, *args, backend: Optional[str] = None, print_table: bool = T
     """Every backend's verdict on this call: chosen, accepted, or rejected with its reasons."""
     _check_op(op)
     _backends.load()
-    _spec.VALIDATORS[op](*args, **kwargs)
+    with shape_checks_only():
+        _spec.VALIDATORS[op](*args, **kwargs)
     requested, source = _request(op, backend)
     device = _device_kind(args, kwargs)
     order = requested if requested is not None else PRIORITY[device]

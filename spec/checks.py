@@ -5,6 +5,8 @@ every backend raises the same message. Each message names the argument and what 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, Iterable, Sequence
 
 from .constants import BLOCK_SIZE
@@ -73,3 +75,22 @@ def require_blocked_axis(name: str, x: Any, axis: int) -> None:
 def require_same_shape(name_a: str, a: Any, name_b: str, b: Any) -> None:
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"{name_a} and {name_b}: expected equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+
+
+# Value checks (cu_seqlens monotone, positions inside the table) read the data. The spec always runs
+# them; the dispatcher validates once per call signature (shapes, dtypes, choices) inside
+# `shape_checks_only()`, because reading a CUDA index tensor would synchronise the device on every call.
+_value_checks = contextvars.ContextVar("mxmla_value_checks", default=True)
+
+
+def value_checks_enabled() -> bool:
+    return _value_checks.get()
+
+
+@contextlib.contextmanager
+def shape_checks_only():
+    token = _value_checks.set(False)
+    try:
+        yield
+    finally:
+        _value_checks.reset(token)
