@@ -54,6 +54,7 @@ __all__ = [
     "encode",
     "scale_multiplier",
     "scale_value",
+    "normalize_axes",
 ]
 
 _F32_EXP_MASK = 0x7F800000  # bits of +Inf: the exponent field all ones
@@ -72,8 +73,8 @@ AxisArg = Union[int, Tuple[int, ...]]
 # validators
 
 
-def _normalize_axes(axis: Any, ndim: int) -> Tuple[Tuple[int, ...], bool]:
-    """(normalised axes, whether the caller passed a tuple)."""
+def normalize_axes(axis: Any, ndim: int) -> Tuple[Tuple[int, ...], bool]:
+    """(non-negative axes, whether the caller passed a tuple) for mxfp8_quantize's `axis` argument."""
     if isinstance(axis, (tuple, list)):
         if len(axis) == 0:
             raise ValueError("axis: expected an int or a non-empty tuple of ints, got ()")
@@ -91,7 +92,7 @@ def validate_mxfp8_quantize(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfini
     checks.require_choice("scale_mode", scale_mode, SCALE_MODES)
     checks.require_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
     checks.require_choice("scale_layout", scale_layout, SCALE_LAYOUTS)
-    axes, _ = _normalize_axes(axis, len(x.shape))
+    axes, _ = normalize_axes(axis, len(x.shape))
     for a in axes:
         checks.require_blocked_axis("x", x, a)
 
@@ -248,7 +249,7 @@ def mxfp8_quantize(x, axis: AxisArg = -1, elem: str = "e4m3", scale_mode: str = 
     """
     validate_mxfp8_quantize(x, axis, elem, scale_mode, nonfinite, scale_layout)
     x32 = np.ascontiguousarray(x).astype(np.float32, copy=False)  # widening is exact
-    axes, as_tuple = _normalize_axes(axis, x32.ndim)
+    axes, as_tuple = normalize_axes(axis, x32.ndim)
     fmt = ELEM_FORMATS[elem]
     outs = tuple(_quantize_axis(x32, a, fmt, scale_mode, nonfinite, scale_layout) for a in axes)
     return outs if as_tuple else outs[0]
@@ -262,7 +263,8 @@ def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32") -> np.ndarray:
     """x = RN_out(decode(code) * 2^(e-127)) with the product in fp32 (SEMANTICS 2).
 
     Scale 255 makes the whole block NaN; scale 0 means 2^-127. Swizzled scales are unswizzled first.
-    Products beyond fp32 range become +-Inf (module docstring).
+    Products beyond fp32 range become +-Inf (module docstring). Every NaN is written as the positive
+    quiet NaN (fp32 0x7FC00000, bf16 0x7FC0) so outputs compare as bytes across backends.
     """
     validate_mxfp8_dequantize(t, out_dtype)
     if t.scale_layout == "swizzled":
@@ -275,4 +277,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32") -> np.ndarray:
     scale = np.asarray(t.scale).reshape(blocks.shape[0], blocks.shape[1], blocks.shape[3])
     with np.errstate(over="ignore"):  # beyond fp32 max is +-Inf by definition (module docstring)
         out = (blocks * scale_value(scale)[:, :, None, :]).reshape(data.shape)
+    nan = np.isnan(out)
+    if nan.any():  # one NaN bit pattern whatever the hardware propagates (CPU keeps payloads, GPUs don't)
+        out[nan] = np.float32(np.nan)
     return out.astype(_OUT_NUMPY_DTYPES[out_dtype], copy=False)
