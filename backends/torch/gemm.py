@@ -8,13 +8,13 @@ the output can differ from the spec's correctly rounded one when the exact sum l
 ulps of an out_dtype rounding boundary -- the spec resolves those cases exactly, this backend does not.
 
 CUDA: float64 GEMMs are slow on most GPUs, so the product is an fp32 matmul. To keep fp32 in range the
-operands are pre-scaled per row by a power of two: a[m, :] = 2^(ea_m) * a'[m, :], where ea_m is the
-largest finite scale exponent of row m (so |a'| <= element max, no overflow; entries 2^149 below the
-row's largest block underflow and are lost). out = RN_out(fp32(a' @ b'^T) * 2^(ea_m + eb_n)), the
-rescale exact in float64. This matches the spec bit for bit when every product and partial sum is
+dequantized (float64) operands are pre-scaled per row by a power of two: a[m, :] = 2^(ea_m) * a'[m, :]
+with max |a'[m, :]| in [0.5, 1) (no overflow; entries 2^149 below their row's largest underflow and
+are lost). out = RN_out(fp32(a' @ b'^T) * 2^(ea_m + eb_n)), the rescale exact in float64. This matches the spec bit for bit when every product and partial sum is
 exact in fp32 (small integers times powers of two: the byte tests); on random inputs the fp32
 accumulation order (cuBLAS-defined) gives rare one-ulp differences in out. TF32 does not matter
-here: a dequantized MXFP8 value has <= 4 significant bits, which TF32's 11 hold exactly.
+here: a dequantized MXFP8 value has <= 4 significant bits (bf16 operands of mla_q: 8), which TF32's 11
+hold exactly.
 
 Both: bf16 results go through fp32 rounded to odd, so they are rounded once (a plain float64 -> bf16
 cast in torch rounds twice); NaN is written as the positive quiet NaN (spec's rule); an exact zero
@@ -23,7 +23,7 @@ sum is +0.0 (the accumulators start at +0).
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List
 
 import torch
 
@@ -31,10 +31,10 @@ from spec.constants import E8M0_BIAS, E8M0_NAN
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import TORCH_DTYPES, torch_tensor_reasons
+from ._common import torch_tensor_reasons
 
-__all__ = ["mxfp8_gemm", "compact_scales", "dequantize_f64", "round_f64_to", "round_to_odd_f32",
-           "matmul_rows_scaled_f32"]
+__all__ = ["mxfp8_gemm", "compact_scales", "dequantize_f64", "matmul_rounded", "round_f64_to",
+           "round_to_odd_f32"]
 
 
 def compact_scales(t: MXTensor) -> torch.Tensor:
@@ -83,27 +83,29 @@ def round_f64_to(x64: torch.Tensor, out_dtype: str) -> torch.Tensor:
     return out.masked_fill_(torch.isnan(out), math.nan)
 
 
-def _row_exponents(scale: torch.Tensor) -> torch.Tensor:
-    """Per row of compact [R, K/32] scale bytes: the largest finite byte minus the bias (int64)."""
-    finite = torch.where(scale == E8M0_NAN, torch.zeros_like(scale), scale)
-    return finite.amax(dim=1).to(torch.int64) - E8M0_BIAS if scale.shape[1] else \
-        torch.zeros(scale.shape[0], dtype=torch.int64, device=scale.device)
+def _rows_to_f32(v: torch.Tensor):
+    """(v' fp32, r int64) with v = 2^r[:, None] * v' for float64 v [R, K]: each row is scaled by a power
+    of two so that its largest finite magnitude lies in [0.5, 1) -- fp32 range can then not overflow.
+    Exact for entries of <= 24 significant bits within 2^149 of their row's largest (smaller ones
+    become fp32 subnormals or zero)."""
+    amax = torch.where(torch.isfinite(v), v.abs(), torch.zeros_like(v)).amax(dim=1) if v.shape[1] else \
+        torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)
+    rows = torch.frexp(amax).exponent.to(torch.int64)  # amax = m * 2^rows, 0.5 <= m < 1 (0 -> 0)
+    return (v * _pow2_f64(-rows)[:, None]).to(torch.float32), rows
 
 
-def _scaled_operand_f32(t: MXTensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(a' fp32, row exponents r) with dq(t) = 2^r[:, None] * a' for a 2-D MXTensor blocked on axis 1."""
-    scale = compact_scales(t)
-    rows = _row_exponents(scale)
-    factor = _scale_factor_f64(scale) * _pow2_f64(-rows)[:, None]
-    factor = factor.to(torch.float32)  # a power of two <= 1 (or underflowed to 0), NaN kept
-    return t.data.to(torch.float32) * factor.repeat_interleave(32, dim=1), rows
-
-
-def matmul_rows_scaled_f32(a32: torch.Tensor, ra: torch.Tensor, b32: torch.Tensor,
-                           rb: torch.Tensor) -> torch.Tensor:
-    """float64 2^(ra[m] + rb[n]) * fp32(a32 @ b32^T): the rescale is exact (fp32 values in float64)."""
-    s = (a32 @ b32.T).to(torch.float64)
-    return s * _pow2_f64(ra[:, None] + rb[None, :])
+def matmul_rounded(a64: torch.Tensor, b64: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    """RN_out(sum_k a64[m,k] * b64[n,k]) for float64 tensors whose entries have <= 8 significant bits
+    (dequantized MXFP8, bf16): float64 matmul on CPU, row-scaled fp32 matmul on CUDA (module
+    docstring). Exact zero sums give +0.0; NaN is written as the positive quiet NaN."""
+    if a64.device.type == "cuda":
+        a32, ra = _rows_to_f32(a64)
+        b32, rb = _rows_to_f32(b64)
+        # 2^(ra + rb) * the fp32 sum, exact in float64 (24-bit values, exponents within +-600)
+        s = (a32 @ b32.T).to(torch.float64) * _pow2_f64(ra[:, None] + rb[None, :])
+    else:
+        s = a64 @ b64.T
+    return round_f64_to(s + 0.0, out_dtype)  # -0.0 + 0.0 = +0.0: an exact zero sum is +0 (spec)
 
 
 def gemm_reasons(a, b, out_dtype="bfloat16") -> List[str]:
@@ -118,11 +120,4 @@ def gemm_reasons(a, b, out_dtype="bfloat16") -> List[str]:
 
 @register("mxfp8_gemm", "torch", check=gemm_reasons)
 def mxfp8_gemm(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> torch.Tensor:
-    if a.data.device.type == "cuda":
-        a32, ra = _scaled_operand_f32(a)
-        b32, rb = _scaled_operand_f32(b)
-        s = matmul_rows_scaled_f32(a32, ra, b32, rb)
-    else:
-        s = dequantize_f64(a) @ dequantize_f64(b).T
-    s = s + 0.0  # -0.0 + 0.0 = +0.0: an exact zero sum is +0 (spec)
-    return round_f64_to(s, out_dtype).to(TORCH_DTYPES[out_dtype])
+    return matmul_rounded(dequantize_f64(a), dequantize_f64(b), out_dtype)
