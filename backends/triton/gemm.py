@@ -1,0 +1,316 @@
+"""Triton MXFP8 GEMM (SEMANTICS.md section 5): out [M, N] = RN_out(sum_k dq(a)[m, k] * dq(b)[n, k]) for
+MXTensors a [M, K], b [N, K] blocked along K (compact or swizzled scales, e4m3 or e5m2 elements).
+
+Kernel design
+- sm90 (Hopper; also sm89): FP8 tensor-core tl.dot per 32-wide K block. For every K block b the
+  program issues one fp8 x fp8 dot from a zero accumulator (wgmma k32: exactly one MX block), giving
+  the block's partial sum P_b in fp32, and folds it in on the CUDA cores:
+      acc = fma(P_b, 2^(sa[m,b]-127) * 2^(sb[n,b]-127), acc)
+  (the scale product is exact: a product of two powers of two). Every product of two fp8 codes is exact
+  in fp32, so P_b is the exact block sum whenever the 32 products fit fp32's 24 bits (always for the
+  byte tests' small integers); the only roundings are those of fp32 accumulation across blocks, in
+  block order. Why per block and not one long fp8 dot: MX scales change every 32 elements of K, and
+  Hopper's wgmma has no scale operand. Pre-scaling a larger K tile into one fp8 dot is not exact
+  (fp8 codes shifted by 2^d lose bits or overflow), and a data-dependent "equal scales" fast path
+  almost never fires on real weights, so it is not done.
+  Cost model (H100/H200 SM, per output element per K block): the tensor core does 32 fp8 FMAs at
+  4096 FMA/clk/SM, the CUDA cores issue 2 instructions (FMUL for the scale product, FFMA) at
+  128 lanes/clk/SM. For a 128 x 128 tile with 8 warps that is 128 clk of wgmma against 256 clk of issue,
+  so this kernel is bound by the rescale at ~2x the fp8 tensor time, i.e. about the bf16 tensor-core
+  time of the same GEMM; it beats bf16 cuBLAS only if the rescale of one warpgroup overlaps the wgmma
+  of the other (two warpgroups per program, 8 warps; 16-warp configs give four). The benchmark
+  (benchmarks/bench_gemm.py) measures it against torch.matmul bf16 and torch._scaled_mm.
+- Scale bytes are read in the kernel from either layout: the swizzled (cuBLAS / F8_128x4) offset of
+  S[i, j] is computed from SEMANTICS 3 step 3, so swizzled MXTensors need no unswizzle pass.
+- Grouped program order (GROUP_M tiles of M share each N tile) for L2 reuse; rows/columns past M/N
+  are clamped on load (their results are masked on store), so the main loop has no masks when K is a
+  multiple of BLOCK_K.
+- Output: fp32 acc rounded once to bf16 (RN-even on the bits) or kept fp32; NaN written as the positive
+  quiet NaN (spec's rule); an exact zero sum is +0.0 (the accumulator starts at +0).
+- sm100+ (Blackwell): tl.dot_scaled (native MX block-scaled MMA), scales fed as [BM, BK/32] /
+  [BN, BK/32] tiles. Gated on compute capability >= 10.0 because on sm90 Triton emulates dot_scaled
+  by upcasting to bf16 (slower than the kernel above). UNVERIFIED: no sm100 machine was available;
+  it runs under the interpreter in the tests (semantics), not on hardware.
+
+Deviations from spec (both bounded by the tests): the fp32 accumulation across K blocks rounds (spec
+sums exactly), and a scale pair whose product 2^(sa+sb-254) is outside fp32 (sa + sb > 381 or
+< 105 - 24) overflows / underflows where the spec's float64 does not.
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+import triton
+import triton.language as tl
+
+from spec.mxtensor import MXTensor
+
+from ..registry import register
+from ._common import interpret_mode, triton_reasons
+from ._fpbits import round_f32_canonical_nan
+from ._mxfp8 import scale_value
+
+__all__ = ["mxfp8_gemm", "mxfp8_gemm_tensors", "scale_offsets"]
+
+_OUT_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_DOT_SCALED_FORMAT = {"e4m3": "e4m3", "e5m2": "e5m2"}
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def scale_offsets(rows, kblock, stride_row, stride_col, col_groups, SWIZZLED: tl.constexpr):
+    """Element offsets of scale bytes S[rows, kblock] (broadcasting int tensors) in an MXTensor's scale
+    buffer: compact (row stride, column stride) or swizzled (SEMANTICS 3 step 3, col_groups = C'/4)."""
+    if SWIZZLED:
+        return (((rows // 128) * col_groups + kblock // 4) * 512 + (rows % 32) * 16
+                + ((rows % 128) // 32) * 4 + (kblock % 4))
+    else:
+        return rows * stride_row + kblock * stride_col
+
+
+@triton.jit
+def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) with GROUP_M consecutive M tiles per N tile: programs running together share
+    the B tiles and a small set of A tiles in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+# --------------------------------------------------------------------------------------------------
+# sm89 / sm90 kernel: fp8 dot per K block, fp32 rescale
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _mxfp8_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_am, stride_ak, stride_bn, stride_bk,
+    stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
+    stride_cm, stride_cn,
+    A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.minimum(offs_m, M - 1)  # clamped: tail rows load real data, their results are masked
+    rows_b = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, 32)
+    a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + rows_b.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // 32):
+            kk = k0 + j * 32
+            kb = kk // 32
+            sa_ptrs = a_scale_ptr + scale_offsets(rows_a, kb, stride_as_row, stride_as_col, a_col_groups, A_SWIZZLED)
+            sb_ptrs = b_scale_ptr + scale_offsets(rows_b, kb, stride_bs_row, stride_bs_col, b_col_groups, B_SWIZZLED)
+            if EVEN_K:
+                a = tl.load(a_ptrs + kk * stride_ak)
+                b = tl.load(b_ptrs + kk * stride_bk)
+                sa = tl.load(sa_ptrs).to(tl.int32)
+                sb = tl.load(sb_ptrs).to(tl.int32)
+            else:  # K is a multiple of 32: a sub-block is wholly inside or wholly past K
+                inside = (kk + offs_k) < K
+                a = tl.load(a_ptrs + kk * stride_ak, mask=inside[None, :], other=0.0)
+                b = tl.load(b_ptrs + kk * stride_bk, mask=inside[None, :], other=0.0)
+                sa = tl.load(sa_ptrs, mask=(rows_a * 0 + kk) < K, other=127).to(tl.int32)
+                sb = tl.load(sb_ptrs, mask=(rows_b * 0 + kk) < K, other=127).to(tl.int32)
+            partial = tl.dot(a, tl.trans(b))  # one MX block: fp8 products, fp32 sum from +0
+            factor = scale_value(sa)[:, None] * scale_value(sb)[None, :]  # exact: powers of two
+            acc = tl.fma(partial, factor, acc)
+
+    out = round_f32_canonical_nan(acc, OUT_DTYPE)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# sm100 kernel: tl.dot_scaled (UNVERIFIED on hardware, see module docstring)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _mxfp8_gemm_dot_scaled_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
+    M, N, K, M_BUCKET,
+    stride_am, stride_ak, stride_bn, stride_bk,
+    stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
+    stride_cm, stride_cn,
+    A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.minimum(offs_m, M - 1)
+    rows_b = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 32)
+    a_ptrs = a_ptr + rows_a.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + rows_b.to(tl.int64)[:, None] * stride_bn + offs_k[None, :] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 32 + offs_kb
+        if EVEN_K:
+            a = tl.load(a_ptrs + k0 * stride_ak)
+            b = tl.load(b_ptrs + k0 * stride_bk)
+            sa = tl.load(a_scale_ptr + scale_offsets(rows_a[:, None], kb[None, :], stride_as_row, stride_as_col,
+                                                     a_col_groups, A_SWIZZLED))
+            sb = tl.load(b_scale_ptr + scale_offsets(rows_b[:, None], kb[None, :], stride_bs_row, stride_bs_col,
+                                                     b_col_groups, B_SWIZZLED))
+        else:
+            inside = (k0 + offs_k) < K
+            a = tl.load(a_ptrs + k0 * stride_ak, mask=inside[None, :], other=0.0)
+            b = tl.load(b_ptrs + k0 * stride_bk, mask=inside[None, :], other=0.0)
+            kb_inside = (kb * 32) < K
+            sa = tl.load(a_scale_ptr + scale_offsets(rows_a[:, None], kb[None, :], stride_as_row, stride_as_col,
+                                                     a_col_groups, A_SWIZZLED), mask=kb_inside[None, :], other=127)
+            sb = tl.load(b_scale_ptr + scale_offsets(rows_b[:, None], kb[None, :], stride_bs_row, stride_bs_col,
+                                                     b_col_groups, B_SWIZZLED), mask=kb_inside[None, :], other=127)
+        acc = tl.dot_scaled(a, sa, A_FORMAT, tl.trans(b), sb, B_FORMAT, acc)
+
+    out = round_f32_canonical_nan(acc, OUT_DTYPE)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------------
+def _sm90_configs():
+    """A handful of tiles for the H200: 128 x 128 with 8 warps (two warpgroups: one rescales while
+    the other's wgmma runs), a 16-warp 128 x 256 / 256 x 128 (four warpgroups, 64 + 64 accumulator
+    registers per thread), and 64-row tiles for small M. fp8 stage = (BM + BN) * BK bytes."""
+    cfgs = []
+    for bm, bn, bk, warps, stages in (
+        (128, 128, 128, 8, 4),
+        (128, 128, 64, 8, 5),
+        (128, 256, 64, 16, 4),
+        (256, 128, 64, 16, 4),
+        (64, 128, 128, 4, 4),
+        (128, 64, 128, 4, 4),
+    ):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _sm100_configs():
+    cfgs = []
+    for bm, bn, bk, warps, stages in ((128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (128, 128, 256, 8, 3)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _even_k(args):
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("MXMLA_TRITON_AUTOTUNE", "1") != "0"
+
+
+_KEY = ["M_BUCKET", "N", "K", "A_SWIZZLED", "B_SWIZZLED", "OUT_DTYPE"]
+_gemm_sm90 = triton.autotune(configs=_sm90_configs(), key=_KEY)(
+    triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_kernel))
+_gemm_sm90_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_kernel)
+_gemm_sm100 = triton.autotune(configs=_sm100_configs(), key=_KEY + ["A_FORMAT", "B_FORMAT"])(
+    triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel))
+_gemm_sm100_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel)
+
+_FIXED_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+_FIXED_SM100 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+_INTERPRET = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
+
+
+def m_bucket(m: int) -> int:
+    """Autotune key for a token count: the next power of two (at least 128), so a varying M retunes
+    once per bucket, not per value."""
+    return max(128, triton.next_power_of_2(max(int(m), 1)))
+
+
+# --------------------------------------------------------------------------------------------------
+# wrappers
+# --------------------------------------------------------------------------------------------------
+def _operand(t: MXTensor):
+    """(data with unit K stride, scale tensor, scale strides, col_groups, swizzled) of a K-blocked MXTensor.
+
+    A transposed view (K stride != 1) is copied to contiguous: the fp8 wgmma wants K-major tiles, and
+    the copy (one byte per element) costs far less than the GEMM it feeds."""
+    data = t.data if t.data.stride(1) == 1 else t.data.contiguous()
+    k_blocks = t.data.shape[1] // 32
+    if t.scale_layout == "swizzled":
+        return data, t.scale, (0, 0), -(-k_blocks // 4), True
+    return data, t.scale, (t.scale.stride(0), t.scale.stride(1)), 0, False
+
+
+def use_dot_scaled(device: torch.device) -> bool:
+    """tl.dot_scaled only where it is native (sm100+); sm89/sm90 run the per-block fp8 kernel."""
+    return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (10, 0)
+
+
+def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
+    """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors."""
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
+    b_data, b_scale, (sbr, sbc), b_groups, b_swz = _operand(b)
+    out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32
+    args = (a_data, a_scale, b_data, b_scale, out, m, n, k, m_bucket(m),
+            a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
+            sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1))
+    meta = dict(A_SWIZZLED=a_swz, B_SWIZZLED=b_swz, OUT_DTYPE=out_dtype)
+    if use_dot_scaled(a_data.device):
+        meta.update(A_FORMAT=_DOT_SCALED_FORMAT[a.elem], B_FORMAT=_DOT_SCALED_FORMAT[b.elem])
+        tuned, fixed, cfg = _gemm_sm100, _gemm_sm100_fixed, _FIXED_SM100
+    else:
+        tuned, fixed, cfg = _gemm_sm90, _gemm_sm90_fixed, _FIXED_SM90
+    if interpret_mode():
+        cfg = _INTERPRET
+    if interpret_mode() or not _autotune_enabled():
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        fixed[grid](*args, **meta, **cfg)
+    else:
+        grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        tuned[grid](*args, **meta)
+    return out
+
+
+def _gemm_reasons(a, b, out_dtype="bfloat16") -> List[str]:
+    reasons = triton_reasons(a, b)
+    dev = a.data.device if isinstance(a, MXTensor) and isinstance(a.data, torch.Tensor) else None
+    if dev is not None and dev.type == "cuda" and not interpret_mode():
+        cc = torch.cuda.get_device_capability(dev)
+        if cc < (8, 9):
+            reasons.append(f"fp8 tensor-core dot needs compute capability >= 8.9, {dev} is {cc[0]}.{cc[1]}")
+    for name, t in (("a", a), ("b", b)):
+        if isinstance(t, MXTensor) and isinstance(t.data, torch.Tensor):
+            if t.data.dtype != _ELEM_TORCH.get(t.elem):
+                reasons.append(f"{name}: data dtype {t.data.dtype} does not match elem {t.elem!r}")
+    return reasons
+
+
+@register("mxfp8_gemm", "triton", check=_gemm_reasons)
+def mxfp8_gemm(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> torch.Tensor:
+    out = torch.empty((a.data.shape[0], b.data.shape[0]), dtype=_OUT_TORCH[out_dtype], device=a.data.device)
+    return mxfp8_gemm_tensors(a, b, out)
