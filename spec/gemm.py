@@ -31,7 +31,9 @@ How the exact sum is obtained (`exact_matmul_rounded`, shared with spec.mla_q an
 
 Choices SEMANTICS.md leaves open (tested in tests/test_gemm.py)
 - An exact zero sum is +0.0 (an accumulator that starts at +0); a nonzero sum that underflows keeps
-  its sign (RN of a tiny negative value is -0.0).
+  its sign (RN of a tiny negative value is -0.0). Products below fp32's range (|p| < 2^-149, only with
+  scale bytes near 0) are outside what fp32 hardware reproduces: its products flush to +-0 and the
+  accumulator ends +0, so conformance tests keep such cases to spec tests.
 - Non-finite values (scale byte 255 -> NaN block; e5m2 Inf codes) follow IEEE: the output is NaN if
   any product is NaN (a NaN operand, or Inf * 0) or the products hold both +Inf and -Inf, else +-Inf
   if any product is infinite. Every NaN is written as the positive quiet NaN (fp32 0x7FC00000, bf16
