@@ -105,6 +105,29 @@ def _token_positions(tok, tok_mask, i0, i1, pos_ptr, cu_ptr, start_ptr, n_tokens
 
 
 @triton.jit
+def _load_heads(x_ptr, x_tok, tok_mask, h0, n_heads, sxh, j, j_mask, k, k_mask, kk, kk_mask,
+                KEEP: tl.constexpr, HALF: tl.constexpr, IN_PAIRED: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Raw (not widened) features of heads h0 .. h0+BLOCK_H-1 of the block's tokens:
+    (pass-through [BT, BH, BLOCK_KEEP], then the RoPE features either as one paired vector
+    [BT, BH, 2*BLOCK_HALF] (returned twice) or as the two halves [BT, BH, BLOCK_HALF])."""
+    h = h0 + tl.arange(0, BLOCK_H)
+    row_mask = (tok_mask[:, None] & (h < n_heads)[None, :])[:, :, None]
+    x_row = x_ptr + (x_tok[:, None] + h[None, :].to(tl.int64) * sxh)[:, :, None]
+    if KEEP > 0:
+        keep = tl.load(x_row + kk[None, None, :], mask=row_mask & kk_mask[None, None, :])
+    else:
+        keep = tl.zeros([1], dtype=x_ptr.dtype.element_ty)
+    if IN_PAIRED:
+        r0 = tl.load(x_row + KEEP + j[None, None, :], mask=row_mask & j_mask[None, None, :], other=0.0)
+        r1 = r0
+    else:
+        half_mask = row_mask & k_mask[None, None, :]
+        r0 = tl.load(x_row + KEEP + k[None, None, :], mask=half_mask, other=0.0)
+        r1 = tl.load(x_row + KEEP + HALF + k[None, None, :], mask=half_mask, other=0.0)
+    return keep, r0, r1
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, cu_ptr, start_ptr,
     n_tokens, n1, n_heads,
@@ -128,13 +151,24 @@ def _rope_kernel(
     x_tok = i0.to(tl.int64) * sx0 + i1.to(tl.int64) * sx1  # [BT]
     o_tok = i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1
 
+    j = tl.arange(0, 2 * BLOCK_HALF)  # paired features as one contiguous vector
+    j_mask = j < R
+    k = tl.arange(0, BLOCK_HALF)
+    k_mask = k < HALF
+    kk = tl.arange(0, BLOCK_KEEP)
+    kk_mask = kk < KEEP
+
+    # The first head chunk is loaded before the position prologue (a chain of dependent cu_seqlens
+    # loads), so its DRAM latency overlaps it; each iteration then loads the next chunk before it
+    # computes and stores the current one (the load past the last head is fully masked: no traffic).
+    keep_next, r0_next, r1_next = _load_heads(x_ptr, x_tok, tok_mask, 0, n_heads, sxh, j, j_mask, k, k_mask,
+                                              kk, kk_mask, KEEP, HALF, IN_PAIRED, BLOCK_H)
+
     pos = _token_positions(tok, tok_mask, i0, i1, pos_ptr, cu_ptr, start_ptr, n_tokens, n_seqs,
                            search_steps, seq_len, sp_b, sp_s, cp_size, cp_rank,
                            LAYOUT, EXPLICIT, HAS_CU, HAS_START, CP)
 
     # Table columns of the pair: cA/sA belong to output A, cB/sB to output B. [BT, 1, BLOCK_HALF]
-    k = tl.arange(0, BLOCK_HALF)
-    k_mask = k < HALF
     tab_mask = tok_mask[:, None] & k_mask[None, :]
     if TAB_PAIRED:
         col_a = 2 * k
@@ -149,32 +183,24 @@ def _rope_kernel(
     s_a = widen_f32(tl.load(s_row + col_a[None, :], mask=tab_mask, other=0.0))[:, None, :]
     s_b = widen_f32(tl.load(s_row + col_b[None, :], mask=tab_mask, other=0.0))[:, None, :]
 
-    j = tl.arange(0, 2 * BLOCK_HALF)  # paired features as one contiguous vector
-    j_mask = j < R
-    kk = tl.arange(0, BLOCK_KEEP)
-    kk_mask = kk < KEEP
-
     for h0 in range(0, n_heads, BLOCK_H):
+        keep_v, r0, r1 = keep_next, r0_next, r1_next
+        keep_next, r0_next, r1_next = _load_heads(x_ptr, x_tok, tok_mask, h0 + BLOCK_H, n_heads, sxh, j, j_mask,
+                                                  k, k_mask, kk, kk_mask, KEEP, HALF, IN_PAIRED, BLOCK_H)
         h = h0 + tl.arange(0, BLOCK_H)
         row_mask = (tok_mask[:, None] & (h < n_heads)[None, :])[:, :, None]  # [BT, BH, 1]
-        x_row = x_ptr + (x_tok[:, None] + h[None, :].to(tl.int64) * sxh)[:, :, None]
         o_row = out_ptr + (o_tok[:, None] + h[None, :].to(tl.int64) * soh)[:, :, None]
 
         if KEEP > 0:
-            keep_mask = row_mask & kk_mask[None, None, :]
-            v = tl.load(x_row + kk[None, None, :], mask=keep_mask)
             if CONVERT_KEEP:
-                v = round_f32_canonical_nan(widen_f32(v), OUT_DTYPE)
-            tl.store(o_row + kk[None, None, :], v, mask=keep_mask)
+                keep_v = round_f32_canonical_nan(widen_f32(keep_v), OUT_DTYPE)
+            tl.store(o_row + kk[None, None, :], keep_v, mask=row_mask & kk_mask[None, None, :])
 
         if IN_PAIRED:
-            pair_mask = row_mask & j_mask[None, None, :]
-            xp = widen_f32(tl.load(x_row + KEEP + j[None, None, :], mask=pair_mask, other=0.0))
-            a, b = tl.split(tl.reshape(xp, (BLOCK_T, BLOCK_H, BLOCK_HALF, 2)))
+            a, b = tl.split(tl.reshape(widen_f32(r0), (BLOCK_T, BLOCK_H, BLOCK_HALF, 2)))
         else:
-            half_mask = row_mask & k_mask[None, None, :]
-            a = widen_f32(tl.load(x_row + KEEP + k[None, None, :], mask=half_mask, other=0.0))
-            b = widen_f32(tl.load(x_row + KEEP + HALF + k[None, None, :], mask=half_mask, other=0.0))
+            a = widen_f32(r0)
+            b = widen_f32(r1)
 
         # Each product and each sum one RN (no FMA: the launch disables fp fusion).
         if BACKWARD:
