@@ -1,0 +1,583 @@
+"""Triton fused MLA Q up-projection + RoPE + dual MXFP8 quantize, and its backward (SEMANTICS.md 6,
+spec/mla_q.py).
+
+Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
+- Program = BLOCK_M tokens x one head (192 output features of w's rows head*192 .. head*192+191), in
+  grouped order (GROUP_M token tiles per head run together: the head's 576 KB of w and a few x tiles
+  stay in L2). BLOCK_M is a multiple of 32, so every columnwise block (32 tokens of one feature) lies
+  inside one program and both quantizations finish in registers; no second pass, no fp32 q in memory.
+- Main loop on tensor cores (tl.dot, fp32 accumulate), one x tile [BLOCK_M, BLOCK_K] feeding
+  - the 128 no-RoPE features: one [BLOCK_M, 128] accumulator;
+  - the 64 RoPE features, de-interleaved so the epilogue is register-local. Two variants, picked by
+    the autotuner (ROPE_SPLIT):
+      False: w's RoPE rows are loaded permuted -- even rows 128+2k into one [32, BK] tile, odd rows
+             128+2k+1 into another -- so two [BLOCK_M, 32] accumulators hold x[2k] and x[2k+1] of
+             every pair directly (two N=32 dots);
+      True:  one N=64 dot in natural order, then tl.reshape [BM, 32, 2] + tl.split: in the wgmma
+             accumulator layout each thread owns column pairs (2k, 2k+1), so the split is a
+             register renaming, and the main loop has one dot fewer.
+- MXFP8 projection (x and w MXTensors blocked along K): per 32-wide K block, an fp8 x fp8 tl.dot from
+  a zero accumulator gives the block's partial sum, then acc = fma(partial, 2^(sx-127) * 2^(sw-127), acc)
+  (the same scheme as backends/triton/gemm.py: fp8 products are exact in fp32, the scale product is
+  an exact power of two; dequantizing to bf16 instead is not always exact -- e4m3 code * 2^k leaves
+  bf16's range for scale bytes outside [3, 246] -- and runs at half the fp8 rate).
+- Epilogue, all in registers, in the order of the spec:
+  1. RN to bf16 (the staging of q), widened back to fp32;
+  2. mla RoPE: left[k] = RN(RN(e*c[k]) - RN(o*s[k])), right[k] = RN(RN(o*c[32+k]) + RN(e*s[32+k])),
+     e/o the even/odd features; the kernel is launched with enable_fp_fusion=False so no product is
+     contracted into an FMA (tl.dot is a tensor-core instruction, unaffected; the MX rescale uses an
+     explicit tl.fma, which is outside the spec's exact arithmetic anyway);
+  3. rowwise MXFP8: the 6 blocks of 32 along the head dim are the 4 no-RoPE chunks, `left` and
+     `right` (RoPE outputs are halves, so each half is exactly one block) -> codes [T, H, 192],
+     scales [T, H, 6];
+  4. columnwise MXFP8: blocks of 32 tokens per feature (reshape [BM/32, 32, F], max over the 32) ->
+     codes [T, H, 192], scales [T/32, H, 192].
+  Scale bytes and codes come from backends/triton/_mxfp8.py (rceil, saturate, e4m3). The fp32 -> bf16
+  staging and fp32 -> e4m3 rounding use the GPU's cvt.rn instructions on CUDA (HW_CVT) and the
+  integer-bit versions under the interpreter, whose conversions are wrong; the two agree bit for bit.
+- Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
+  of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
+  moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
+  tests/conformance/test_mla_q_triton.py).
+
+Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False) -> (dx, dw)`
+- One fused pre-pass kernel over dq viewed [T, N] in tiles of [BLOCK_R, 64] (tile 2 of every head is
+  the RoPE part): mla RoPE backward in fp32 (no FMA), then either g = RN_bf16 [T, N] (16-bit), or both
+  MXFP8 quantizations of the fp32 g in one pass: g_row blocked along N ([T, N] + scales [T, N/32]) and
+  g_col blocked along T, written transposed ([N, T] + scales [N, T/32]) so it is directly the K-major
+  operand of dw = g^T x.
+- 16-bit GEMMs: dx = g @ w, dw = g^T @ x through torch.matmul (cuBLAS, fp32 accumulation, one RN to
+  bf16): these are plain bf16 GEMMs that cuBLAS already runs at the roofline. MX x / w (the forward's
+  K-blocked tensors) are dequantized to bf16 first; exact for e4m3 scale bytes in [3, 246] (e5m2:
+  [10, 239]), outside that a value leaves bf16's range and rounds/saturates where the spec's does not.
+- MXFP8 GEMMs (quantize_grad=True): dx = mxfp8_gemm(g_row, w_n^T), dw = mxfp8_gemm(g_col^T, x_t^T) with
+  the Triton GEMM of backends/triton/gemm.py. bf16 x / w are quantized along T / N by the same
+  pre-pass kernel (no RoPE), written transposed so every GEMM operand is K-major.
+"""
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+import triton
+import triton.language as tl
+
+from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
+from spec.mxtensor import MXTensor
+
+from ..registry import register
+from ._common import interpret_mode, triton_reasons
+from ._fpbits import round_f32, widen_f32
+from ._mxfp8 import abs_bits_ignoring_nan, encode_e4m3, rceil_scale_from_amax_bits, scale_multiplier, scale_value
+from .gemm import _grouped_tile, m_bucket, mxfp8_gemm_tensors, scale_offsets
+
+__all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
+
+_HEAD = MLA_QK_HEAD_DIM  # 192
+_NOPE = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
+_ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _stage_bf16(acc, HW_CVT: tl.constexpr):
+    """fp32 value of RN_bf16(acc) (step 2 of the forward); NaN stays NaN."""
+    if HW_CVT:
+        return acc.to(tl.bfloat16).to(tl.float32)
+    else:
+        staged = widen_f32(round_f32(acc, tl.bfloat16))
+        return tl.where(acc != acc, acc, staged)  # the bit rounding could carry a NaN into Inf
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """tl.dot(a, b, acc); DOT_F32 (interpreter only) widens bf16 operands to fp32 first, because Triton's
+    CPU interpreter mis-multiplies bf16 operands (it is exact: bf16 values fit fp32 and tf32)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _round_bf16(v, HW_CVT: tl.constexpr):
+    if HW_CVT:
+        return v.to(tl.bfloat16)
+    else:
+        return round_f32(v, tl.bfloat16)
+
+
+@triton.jit
+def _quantize_rows(v, HW_CVT: tl.constexpr):
+    """v [R, NB, 32] fp32: (codes uint8 [R, NB, 32], scale bytes int32 [R, NB]), blocks along axis 2."""
+    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=2))
+    return encode_e4m3(v * scale_multiplier(e)[:, :, None], HW_CVT), e
+
+
+@triton.jit
+def _quantize_cols(v, HW_CVT: tl.constexpr):
+    """v [NB, 32, F] fp32: (codes uint8 [NB, 32, F], scale bytes int32 [NB, F]), blocks along axis 1."""
+    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=1))
+    return encode_e4m3(v * scale_multiplier(e)[:, None, :], HW_CVT), e
+
+
+@triton.jit
+def _quantize_vec(v, HW_CVT: tl.constexpr):
+    """v [R, 32] fp32, one block per row: (codes [R, 32], scale bytes [R])."""
+    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=1))
+    return encode_e4m3(v * scale_multiplier(e)[:, None], HW_CVT), e
+
+
+@triton.jit
+def _store_both(v, tok, t_ok, feat0, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
+                col_stride, head_off, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, HW_CVT: tl.constexpr):
+    """Columnwise quantization of one [BLOCK_M, WIDTH] chunk of a head (features feat0 ..) and its store;
+    returns nothing. (The rowwise part differs per chunk and is done by the caller.)"""
+    NB: tl.constexpr = BLOCK_M // 32
+    feats = feat0 + tl.arange(0, WIDTH)
+    codes, e = _quantize_cols(tl.reshape(v, [NB, 32, WIDTH]), HW_CVT)
+    tok3 = tl.reshape(tok, [NB, 32])
+    ok3 = tl.reshape(t_ok, [NB, 32])
+    ptrs = col_code_ptr + (tok3.to(tl.int64) * col_stride + head_off)[:, :, None] + feats[None, None, :]
+    tl.store(ptrs, codes, mask=ok3[:, :, None])
+    tl.store(col_scale_ptr + (col_blk.to(tl.int64) * col_stride + head_off)[:, None] + feats[None, :],
+             e.to(tl.uint8), mask=col_ok[:, None])
+
+
+# --------------------------------------------------------------------------------------------------
+# forward kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _mla_q_fwd_kernel(
+    x_ptr, w_ptr, xs_ptr, ws_ptr, cos_ptr, sin_ptr,
+    row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
+    T, K, H, T_BUCKET,
+    stride_xt, stride_xk, stride_wn, stride_wk,
+    stride_xs_row, stride_xs_col, stride_ws_row, stride_ws_col, xs_col_groups, ws_col_groups,
+    stride_cos, stride_sin,
+    MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROPE_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    HEAD: tl.constexpr = 192
+    NOPE: tl.constexpr = 128
+    HALF: tl.constexpr = 32
+    pid = tl.program_id(0)
+    pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
+    tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t_ok = tok < T
+    rows_t = tl.minimum(tok, T - 1)  # tail rows read real data; their 32-row blocks are never stored
+    n_nope = head * HEAD + tl.arange(0, NOPE)
+    n_rope = head * HEAD + NOPE + tl.arange(0, 2 * HALF)  # natural order (ROPE_SPLIT)
+    n_even = head * HEAD + NOPE + 2 * tl.arange(0, HALF)  # permuted rows: x[2k] of each pair
+    n_odd = n_even + 1  # x[2k + 1]
+
+    acc_nope = tl.zeros((BLOCK_M, NOPE), dtype=tl.float32)
+    acc_rope = tl.zeros((BLOCK_M, 2 * HALF), dtype=tl.float32)
+    acc_even = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    acc_odd = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+
+    if MX:
+        # fp8 operands, one dot per 32-wide MX block, fp32 rescale by the two power-of-two scales.
+        offs_k = tl.arange(0, 32)
+        x_ptrs = x_ptr + rows_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        wn_ptrs = w_ptr + n_nope.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        wr_ptrs = w_ptr + n_rope.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        we_ptrs = w_ptr + n_even.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        wo_ptrs = w_ptr + n_odd.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        for k0 in range(0, K, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                kk = k0 + j * 32
+                kb = kk // 32
+                if EVEN_K:
+                    kmask = offs_k[None, :] >= 0
+                else:
+                    kmask = (kk + offs_k)[None, :] < K
+                a = tl.load(x_ptrs + kk * stride_xk, mask=kmask, other=0.0)
+                sx = scale_value(tl.load(xs_ptr + scale_offsets(rows_t, kb, stride_xs_row, stride_xs_col,
+                                                                xs_col_groups, XS_SWIZZLED),
+                                         mask=(rows_t * 0 + kk) < K, other=127).to(tl.int32))
+                wn = tl.load(wn_ptrs + kk * stride_wk, mask=kmask, other=0.0)
+                swn = scale_value(tl.load(ws_ptr + scale_offsets(n_nope, kb, stride_ws_row, stride_ws_col,
+                                                                 ws_col_groups, WS_SWIZZLED),
+                                          mask=(n_nope * 0 + kk) < K, other=127).to(tl.int32))
+                acc_nope = tl.fma(tl.dot(a, tl.trans(wn)), sx[:, None] * swn[None, :], acc_nope)
+                if ROPE_SPLIT:
+                    wr = tl.load(wr_ptrs + kk * stride_wk, mask=kmask, other=0.0)
+                    swr = scale_value(tl.load(ws_ptr + scale_offsets(n_rope, kb, stride_ws_row, stride_ws_col,
+                                                                     ws_col_groups, WS_SWIZZLED),
+                                              mask=(n_rope * 0 + kk) < K, other=127).to(tl.int32))
+                    acc_rope = tl.fma(tl.dot(a, tl.trans(wr)), sx[:, None] * swr[None, :], acc_rope)
+                else:
+                    we = tl.load(we_ptrs + kk * stride_wk, mask=kmask, other=0.0)
+                    wo = tl.load(wo_ptrs + kk * stride_wk, mask=kmask, other=0.0)
+                    swe = scale_value(tl.load(ws_ptr + scale_offsets(n_even, kb, stride_ws_row, stride_ws_col,
+                                                                     ws_col_groups, WS_SWIZZLED),
+                                              mask=(n_even * 0 + kk) < K, other=127).to(tl.int32))
+                    swo = scale_value(tl.load(ws_ptr + scale_offsets(n_odd, kb, stride_ws_row, stride_ws_col,
+                                                                     ws_col_groups, WS_SWIZZLED),
+                                              mask=(n_odd * 0 + kk) < K, other=127).to(tl.int32))
+                    acc_even = tl.fma(tl.dot(a, tl.trans(we)), sx[:, None] * swe[None, :], acc_even)
+                    acc_odd = tl.fma(tl.dot(a, tl.trans(wo)), sx[:, None] * swo[None, :], acc_odd)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xk
+        wn_ptrs = w_ptr + n_nope.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        wr_ptrs = w_ptr + n_rope.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        we_ptrs = w_ptr + n_even.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        wo_ptrs = w_ptr + n_odd.to(tl.int64)[:, None] * stride_wn + offs_k[None, :] * stride_wk
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                wn = tl.load(wn_ptrs)
+            else:
+                kmask = (k0 + offs_k)[None, :] < K
+                a = tl.load(x_ptrs, mask=kmask, other=0.0)
+                wn = tl.load(wn_ptrs, mask=kmask, other=0.0)
+            acc_nope = _dot(a, tl.trans(wn), acc_nope, DOT_F32)
+            if ROPE_SPLIT:
+                if EVEN_K:
+                    wr = tl.load(wr_ptrs)
+                else:
+                    wr = tl.load(wr_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                acc_rope = _dot(a, tl.trans(wr), acc_rope, DOT_F32)
+            else:
+                if EVEN_K:
+                    we = tl.load(we_ptrs)
+                    wo = tl.load(wo_ptrs)
+                else:
+                    we = tl.load(we_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                    wo = tl.load(wo_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                acc_even = _dot(a, tl.trans(we), acc_even, DOT_F32)
+                acc_odd = _dot(a, tl.trans(wo), acc_odd, DOT_F32)
+            x_ptrs += BLOCK_K * stride_xk
+            wn_ptrs += BLOCK_K * stride_wk
+            wr_ptrs += BLOCK_K * stride_wk
+            we_ptrs += BLOCK_K * stride_wk
+            wo_ptrs += BLOCK_K * stride_wk
+
+    # ---- epilogue: stage to bf16, RoPE in fp32 (no FMA), two MXFP8 quantizations ----
+    nope = _stage_bf16(acc_nope, HW_CVT)
+    if ROPE_SPLIT:
+        even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, HALF, 2]))
+    else:
+        even = _stage_bf16(acc_even, HW_CVT)
+        odd = _stage_bf16(acc_odd, HW_CVT)
+    offs_h = tl.arange(0, HALF)
+    cos_row = cos_ptr + rows_t.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
+    sin_row = sin_ptr + rows_t.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
+    cos_l = widen_f32(tl.load(cos_row))
+    cos_r = widen_f32(tl.load(cos_row + HALF))
+    sin_l = widen_f32(tl.load(sin_row))
+    sin_r = widen_f32(tl.load(sin_row + HALF))
+    left = even * cos_l - odd * sin_l  # out[k]      (k < 32)
+    right = odd * cos_r + even * sin_r  # out[32 + k]
+
+    code_stride = H * HEAD  # [T, H, 192] codes, contiguous
+    head_off = head * HEAD
+    row_base = tok.to(tl.int64) * code_stride + head_off
+    rs_base = tok.to(tl.int64) * (H * 6) + head * 6  # [T, H, 6] row scales
+
+    # rowwise: blocks 0..3 are the no-RoPE chunks, block 4 `left`, block 5 `right`
+    codes3, e3 = _quantize_rows(tl.reshape(nope, [BLOCK_M, 4, 32]), HW_CVT)
+    feat3 = tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    tl.store(row_code_ptr + row_base[:, None, None] + feat3, codes3, mask=t_ok[:, None, None])
+    tl.store(row_scale_ptr + rs_base[:, None] + tl.arange(0, 4)[None, :], e3.to(tl.uint8), mask=t_ok[:, None])
+    codes_l, e_l = _quantize_vec(left, HW_CVT)
+    tl.store(row_code_ptr + row_base[:, None] + NOPE + offs_h[None, :], codes_l, mask=t_ok[:, None])
+    tl.store(row_scale_ptr + rs_base + 4, e_l.to(tl.uint8), mask=t_ok)
+    codes_r, e_r = _quantize_vec(right, HW_CVT)
+    tl.store(row_code_ptr + row_base[:, None] + NOPE + HALF + offs_h[None, :], codes_r, mask=t_ok[:, None])
+    tl.store(row_scale_ptr + rs_base + 5, e_r.to(tl.uint8), mask=t_ok)
+
+    # columnwise: blocks of 32 tokens per feature
+    NB: tl.constexpr = BLOCK_M // 32
+    col_blk = pid_m * NB + tl.arange(0, NB)
+    col_ok = col_blk < T // 32
+    _store_both(nope, tok, t_ok, 0, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
+                code_stride, head_off, BLOCK_M, NOPE, HW_CVT)
+    _store_both(left, tok, t_ok, NOPE, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
+                code_stride, head_off, BLOCK_M, HALF, HW_CVT)
+    _store_both(right, tok, t_ok, NOPE + HALF, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk,
+                col_ok, code_stride, head_off, BLOCK_M, HALF, HW_CVT)
+
+
+def _fwd_configs(mx: bool):
+    """bf16: BLOCK_M 128 x one head (192) x BLOCK_K 64 = 40 KB per stage (3-4 stages), 8 warps; both RoPE
+    de-interleave variants; 64-row tiles for small T. MX: fp8 tiles, 128-wide K steps (4 MX blocks)."""
+    cfgs = []
+    if not mx:
+        shapes = ((128, 64, 8, 3, False), (128, 64, 8, 4, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
+                  (64, 64, 4, 4, False), (64, 128, 4, 3, True))
+    else:
+        shapes = ((128, 128, 8, 3, False), (128, 128, 8, 4, True), (128, 64, 8, 4, False), (64, 128, 4, 4, True))
+    for bm, bk, warps, stages, split in shapes:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8, "ROPE_SPLIT": split},
+                                  num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _even_k(args):
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+_FWD_KEY = ["T_BUCKET", "K", "H", "MX", "XS_SWIZZLED", "WS_SWIZZLED"]
+_fwd_fixed = triton.heuristics({"EVEN_K": _even_k})(_mla_q_fwd_kernel)
+_fwd_tuned_bf16 = triton.autotune(configs=_fwd_configs(False), key=_FWD_KEY)(_fwd_fixed)
+_fwd_tuned_mx = triton.autotune(configs=_fwd_configs(True), key=_FWD_KEY)(_fwd_fixed)
+_FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, ROPE_SPLIT=False, num_warps=8, num_stages=3),
+                True: dict(BLOCK_M=128, BLOCK_K=128, GROUP_M=8, ROPE_SPLIT=False, num_warps=8, num_stages=3)}
+
+
+def _interpret_config(**overrides):
+    cfg = dict(BLOCK_M=64, BLOCK_K=32, GROUP_M=2, ROPE_SPLIT=False, num_warps=4, num_stages=1)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("MXMLA_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _hw_cvt(device: torch.device) -> bool:
+    """GPU cvt.rn instructions for bf16 / e4m3 (sm89+ has the fp8 conversion); bit versions otherwise."""
+    return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _scale_args(t: MXTensor):
+    """(scale tensor, row stride, column stride, col_groups, swizzled) of a K-blocked 2-D MXTensor."""
+    if t.scale_layout == "swizzled":
+        return t.scale, 0, 0, -(-(t.data.shape[1] // 32) // 4), True
+    return t.scale, t.scale.stride(0), t.scale.stride(1), 0, False
+
+
+def mla_q_forward_launch(x, w, cos, sin, config=None):
+    """Run the fused forward; `config` (dict of BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT, num_warps,
+    num_stages) bypasses autotuning (tests and benchmarks use it to pin a variant)."""
+    mx = isinstance(x, MXTensor)
+    xd, wd = (x.data, w.data) if mx else (x, w)
+    tokens, k = xd.shape
+    heads = wd.shape[0] // _HEAD
+    device = xd.device
+    row_codes = torch.empty((tokens, heads, _HEAD), dtype=torch.float8_e4m3fn, device=device)
+    row_scale = torch.empty((tokens, heads, _HEAD // 32), dtype=torch.uint8, device=device)
+    col_codes = torch.empty((tokens, heads, _HEAD), dtype=torch.float8_e4m3fn, device=device)
+    col_scale = torch.empty((tokens // 32, heads, _HEAD), dtype=torch.uint8, device=device)
+    q_row = MXTensor(row_codes, row_scale, 2, "e4m3", "compact")
+    q_col = MXTensor(col_codes, col_scale, 0, "e4m3", "compact")
+    if tokens == 0 or heads == 0:
+        return q_row, q_col
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    if mx:
+        xs, sxr, sxc, x_groups, x_swz = _scale_args(x)
+        ws, swr, swc, w_groups, w_swz = _scale_args(w)
+    else:
+        dummy = torch.zeros(1, dtype=torch.uint8, device=device)
+        xs, sxr, sxc, x_groups, x_swz = dummy, 0, 0, 0, False
+        ws, swr, swc, w_groups, w_swz = dummy, 0, 0, 0, False
+    args = (xd, wd, xs, ws, cos, sin,
+            row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8), col_scale,
+            tokens, k, heads, m_bucket(tokens),
+            xd.stride(0), xd.stride(1), wd.stride(0), wd.stride(1),
+            sxr, sxc, swr, swc, x_groups, w_groups, cos.stride(0), sin.stride(0))
+    meta = dict(MX=mx, XS_SWIZZLED=x_swz, WS_SWIZZLED=w_swz, HW_CVT=_hw_cvt(device), DOT_F32=interpret_mode())
+    if interpret_mode() and config is None:
+        config = _interpret_config()
+    if config is None and not _autotune_enabled():
+        config = _FWD_DEFAULT[mx]
+    if config is not None:
+        grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
+        _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
+    else:
+        grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
+        (_fwd_tuned_mx if mx else _fwd_tuned_bf16)[grid](*args, **meta, enable_fp_fusion=False)
+    return q_row, q_col
+
+
+# --------------------------------------------------------------------------------------------------
+# backward pre-pass: RoPE backward + bf16 staging or dual MXFP8 quantize (also: plain quantize along rows)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _grad_prep_kernel(
+    src_ptr, cos_ptr, sin_ptr,
+    g_ptr, row_code_ptr, row_scale_ptr, colt_code_ptr, colt_scale_ptr,
+    R, C, stride_sr, stride_sc, stride_cos, stride_sin,
+    ROPE: tl.constexpr, WRITE_BF16: tl.constexpr, ROW_Q: tl.constexpr, COL_Q: tl.constexpr,
+    HW_CVT: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """src [R, C] (bf16) in tiles of [BLOCK_R, 64]. With ROPE, C = H * 192 and tile 2 of every head
+    holds its RoPE gradient halves (gL | gR), turned into interleaved pairs by the mla backward rule.
+    Outputs (each optional): g = RN_bf16 [R, C]; row-blocked codes [R, C] + scales [R, C/32];
+    column-blocked (along R) codes written TRANSPOSED [C, R] + scales [C, R/32]."""
+    WIDTH: tl.constexpr = 64
+    HALF: tl.constexpr = 32
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    rows = tl.minimum(offs_r, R - 1)
+    offs_c = pid_c * WIDTH + tl.arange(0, WIDTH)
+    c_ok = offs_c < C
+    src_rows = src_ptr + rows.to(tl.int64)[:, None] * stride_sr
+    if ROPE and (pid_c % 3 == 2):
+        offs_h = tl.arange(0, HALF)
+        base = pid_c * WIDTH
+        g_l = widen_f32(tl.load(src_rows + (base + offs_h)[None, :] * stride_sc))
+        g_r = widen_f32(tl.load(src_rows + (base + HALF + offs_h)[None, :] * stride_sc))
+        cos_row = cos_ptr + rows.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
+        sin_row = sin_ptr + rows.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
+        cos_l = widen_f32(tl.load(cos_row))
+        cos_r = widen_f32(tl.load(cos_row + HALF))
+        sin_l = widen_f32(tl.load(sin_row))
+        sin_r = widen_f32(tl.load(sin_row + HALF))
+        d_even = g_l * cos_l + g_r * sin_r  # dx[2k]   = RN(RN(gL*c[k]) + RN(gR*s[32+k]))
+        d_odd = g_r * cos_r - g_l * sin_l  # dx[2k+1] = RN(RN(gR*c[32+k]) - RN(gL*s[k]))
+        v = tl.reshape(tl.join(d_even, d_odd), [BLOCK_R, WIDTH])
+    else:
+        v = widen_f32(tl.load(src_rows + offs_c[None, :] * stride_sc, mask=c_ok[None, :], other=0.0))
+
+    if WRITE_BF16:
+        tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * C + offs_c[None, :], _round_bf16(v, HW_CVT),
+                 mask=r_ok[:, None] & c_ok[None, :])
+    if ROW_Q:
+        codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), HW_CVT)
+        blk = pid_c * 2 + tl.arange(0, 2)
+        blk_ok = blk * 32 < C
+        tl.store(row_code_ptr + offs_r.to(tl.int64)[:, None, None] * C
+                 + tl.reshape(offs_c, [2, 32])[None, :, :], codes,
+                 mask=r_ok[:, None, None] & blk_ok[None, :, None])
+        tl.store(row_scale_ptr + offs_r.to(tl.int64)[:, None] * (C // 32) + blk[None, :], e.to(tl.uint8),
+                 mask=r_ok[:, None] & blk_ok[None, :])
+    if COL_Q:
+        NB: tl.constexpr = BLOCK_R // 32
+        codes, e = _quantize_cols(tl.reshape(v, [NB, 32, WIDTH]), HW_CVT)
+        r3 = tl.reshape(offs_r, [NB, 32])
+        tl.store(colt_code_ptr + offs_c.to(tl.int64)[None, None, :] * R + r3[:, :, None], codes,
+                 mask=tl.reshape(r_ok, [NB, 32])[:, :, None] & c_ok[None, None, :])
+        rb = pid_r * NB + tl.arange(0, NB)
+        tl.store(colt_scale_ptr + offs_c.to(tl.int64)[None, :] * (R // 32) + rb[:, None], e.to(tl.uint8),
+                 mask=(rb < R // 32)[:, None] & c_ok[None, :])
+
+
+def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False):
+    """Run the pre-pass on a 2-D bf16 tensor; returns (g, (row codes, row scales), (colT codes, colT scales))."""
+    rows, cols = src2d.shape
+    device = src2d.device
+    dummy8 = torch.zeros(1, dtype=torch.uint8, device=device)
+    g = torch.empty((rows, cols), dtype=torch.bfloat16, device=device) if write_bf16 else None
+    row_codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device) if row_q else None
+    row_scale = torch.empty((rows, cols // 32), dtype=torch.uint8, device=device) if row_q else None
+    colt_codes = torch.empty((cols, rows), dtype=torch.float8_e4m3fn, device=device) if col_q else None
+    colt_scale = torch.empty((cols, rows // 32), dtype=torch.uint8, device=device) if col_q else None
+    if rows == 0 or cols == 0:
+        return g, (row_codes, row_scale), (colt_codes, colt_scale)
+    if cos is None:
+        cos = sin = torch.zeros((1, MLA_ROPE_DIM), dtype=torch.float32, device=device)
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    block_r = 64 if interpret_mode() else 128
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, 64))
+    u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
+    _grad_prep_kernel[grid](
+        src2d, cos, sin,
+        g if g is not None else torch.zeros(1, dtype=torch.bfloat16, device=device),
+        u8(row_codes), u8(row_scale), u8(colt_codes), u8(colt_scale),
+        rows, cols, src2d.stride(0), src2d.stride(1), cos.stride(0), sin.stride(0),
+        ROPE=rope, WRITE_BF16=write_bf16, ROW_Q=row_q, COL_Q=col_q, HW_CVT=_hw_cvt(device), BLOCK_R=block_r,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return g, (row_codes, row_scale), (colt_codes, colt_scale)
+
+
+def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
+    """bf16 RN(code * 2^(e-127)) of a K-blocked 2-D MXTensor (exact for e4m3 scale bytes in [3, 246])."""
+    if t.scale_layout == "swizzled":
+        from ..torch.swizzle import unswizzle_scales
+
+        t = unswizzle_scales(t)
+    e = t.scale.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 0x400000), e << 23)
+    bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
+    factor = bits.view(torch.float32).repeat_interleave(32, dim=1)
+    return (t.data.to(torch.float32) * factor).to(torch.bfloat16)
+
+
+def _transposed_operand(t: MXTensor) -> MXTensor:
+    """The K-blocked MXTensor of data.T for a 2-D tensor blocked along axis 0 (a view: strides swap;
+    swizzled scales are already the [cols, rows/32] scale matrix, so they carry over unchanged)."""
+    scale = t.scale if t.scale_layout == "swizzled" else t.scale.t()
+    return MXTensor(t.data.t(), scale, 1, t.elem, t.scale_layout)
+
+
+def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
+    tokens, heads = dq.shape[0], dq.shape[1]
+    n = heads * _HEAD
+    dq2 = dq.reshape(tokens, n)
+    if not quantize_grad:
+        g, _, _ = _prep_launch(dq2, cos, sin, rope=True, write_bf16=True)
+        xb = _dequantize_bf16(x) if isinstance(x, MXTensor) else x
+        wb = _dequantize_bf16(w) if isinstance(w, MXTensor) else w
+        return torch.matmul(g, wb), torch.matmul(g.t(), xb)
+    _, (g_codes, g_scale), (gt_codes, gt_scale) = _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True)
+    g_row = MXTensor(g_codes, g_scale, 1, "e4m3", "compact")  # [T, N] blocked along N
+    g_col_t = MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact")  # [N, T] blocked along T
+    if isinstance(w, MXTensor):
+        w_t = _transposed_operand(w)  # [K, N] blocked along N
+    else:
+        _, _, (wt_codes, wt_scale) = _prep_launch(w, col_q=True)
+        w_t = MXTensor(wt_codes, wt_scale, 1, "e4m3", "compact")
+    if isinstance(x, MXTensor):
+        x_t = _transposed_operand(x)  # [K, T] blocked along T
+    else:
+        _, _, (xt_codes, xt_scale) = _prep_launch(x, col_q=True)
+        x_t = MXTensor(xt_codes, xt_scale, 1, "e4m3", "compact")
+    k = x_t.data.shape[0]
+    dx = torch.empty((tokens, k), dtype=torch.bfloat16, device=dq.device)
+    dw = torch.empty((n, k), dtype=torch.bfloat16, device=dq.device)
+    mxfp8_gemm_tensors(g_row, w_t, dx)
+    mxfp8_gemm_tensors(g_col_t, x_t, dw)
+    return dx, dw
+
+
+# --------------------------------------------------------------------------------------------------
+# registration
+# --------------------------------------------------------------------------------------------------
+def _device_reasons(tensors, need_fp8: bool) -> List[str]:
+    reasons = triton_reasons(*tensors)
+    for t in tensors:
+        arr = t.data if isinstance(t, MXTensor) else t
+        if isinstance(arr, torch.Tensor) and arr.device.type == "cuda" and not interpret_mode():
+            cc = torch.cuda.get_device_capability(arr.device)
+            want = (8, 9) if need_fp8 else (8, 0)
+            if cc < want:
+                reasons.append(f"needs compute capability >= {want[0]}.{want[1]} "
+                               f"({'fp8' if need_fp8 else 'bf16'} tensor-core dot), {arr.device} is {cc[0]}.{cc[1]}")
+            break
+    for name, t in zip(("x", "w"), tensors[:2]):
+        if isinstance(t, MXTensor) and isinstance(t.data, torch.Tensor) and t.data.dtype != _ELEM_TORCH.get(t.elem):
+            reasons.append(f"{name}: data dtype {t.data.dtype} does not match elem {t.elem!r}")
+    return reasons
+
+
+def _fwd_reasons(x, w, cos, sin) -> List[str]:
+    return _device_reasons([x, w, cos, sin], need_fp8=isinstance(x, MXTensor))
+
+
+def _bwd_reasons(dq, x, w, cos, sin, quantize_grad=False) -> List[str]:
+    return _device_reasons([x, w, dq, cos, sin], need_fp8=bool(quantize_grad))
+
+
+@register("mla_q_uproj_rope_quant", "triton", check=_fwd_reasons)
+def mla_q_uproj_rope_quant(x, w, cos, sin):
+    return mla_q_forward_launch(x, w, cos, sin)
+
+
+@register("mla_q_uproj_rope_quant_backward", "triton", check=_bwd_reasons)
+def mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False):
+    return mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad)
