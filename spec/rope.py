@@ -48,7 +48,6 @@ import numpy as np
 
 from .checks import (
     dtype_name,
-    require_array,
     require_choice,
     require_dtype,
     require_ndim,

@@ -2,18 +2,16 @@
 layouts, pass-through bytes, NaN policy and one test per argument error."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spec
-from spec.constants import LAYOUTS, ROPE_STYLES
+from spec.constants import ROPE_STYLES
 from spec.rope import rope, rope_backward, rotation_indices, validate_rope, validate_rope_backward
 from tests.util import BF16, as_bytes, assert_bytes_equal, random_magnitudes
 
-F32 = np.float32
 U = 2.0 ** -24  # fp32 unit roundoff
 PROPS = settings(max_examples=25, deadline=None)
 
