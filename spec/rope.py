@@ -52,6 +52,7 @@ from .checks import (
     require_dtype,
     require_ndim,
     require_same_shape,
+    value_checks_enabled,
 )
 from .constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
@@ -151,6 +152,45 @@ def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positio
     cp_size = _require_int("cp_size", cp_size, 1)
     cp_rank = _require_int("cp_rank", cp_rank, 0, cp_size)
 
+    # Shape-only checks first: the dispatcher runs validators under shape_checks_only() (no reads of
+    # index-tensor values, which could live on a GPU), and everything below that line reads values.
+    if layout == "thd":
+        if cu_seqlens is not None:
+            require_dtype("cu_seqlens", cu_seqlens, CU_SEQLENS_DTYPES)
+            require_ndim("cu_seqlens", cu_seqlens, (1,))
+            if cu_seqlens.shape[0] < 2:
+                raise ValueError(f"cu_seqlens: expected shape [B+1] with B >= 1, got shape {tuple(cu_seqlens.shape)}")
+        n_seqs_static = 1 if cu_seqlens is None else int(cu_seqlens.shape[0]) - 1
+    else:
+        if cu_seqlens is not None:
+            raise ValueError(f"cu_seqlens: only valid with layout 'thd', got layout {layout!r}")
+        s_axis, b_axis = (0, 1) if layout == "sbhd" else (1, 0)
+        seq_len, n_seqs_static = int(x.shape[s_axis]), int(x.shape[b_axis])
+    if start_positions is not None:
+        require_dtype("start_positions", start_positions, POSITION_DTYPES)
+        require_ndim("start_positions", start_positions, (1,))
+        if start_positions.shape[0] != n_seqs_static:
+            raise ValueError(f"start_positions: expected shape [{n_seqs_static}] (one per sequence), "
+                             f"got shape {tuple(start_positions.shape)}")
+    if positions is not None:
+        require_dtype("positions", positions, POSITION_DTYPES)
+        if start_positions is not None:
+            raise ValueError("positions: explicit positions are final; do not combine with start_positions")
+        if cp_size > 1:
+            raise ValueError(f"positions: explicit positions are global; do not combine with cp_size={cp_size}")
+        if layout == "thd":
+            require_ndim("positions", positions, (1,))
+            if positions.shape[0] != x.shape[0]:
+                raise ValueError(f"positions: expected shape [{x.shape[0]}] (one per token), got shape {tuple(positions.shape)}")
+        else:
+            require_ndim("positions", positions, (1, 2))
+            want = [(seq_len,), (n_seqs_static, seq_len)]
+            if tuple(positions.shape) not in want:
+                raise ValueError(f"positions: expected shape [{seq_len}] or [{n_seqs_static}, {seq_len}] "
+                                 f"([S] or [B, S]), got shape {tuple(positions.shape)}")
+    if not value_checks_enabled():
+        return None
+
     # Local index of each token inside its sequence, the sequence it belongs to, and its length.
     if layout == "thd":
         n_tokens = int(x.shape[0])
@@ -158,10 +198,6 @@ def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positio
             cu = np.array([0, n_tokens], dtype=np.int64)
             length_source = x_name
         else:
-            require_dtype("cu_seqlens", cu_seqlens, CU_SEQLENS_DTYPES)
-            require_ndim("cu_seqlens", cu_seqlens, (1,))
-            if cu_seqlens.shape[0] < 2:
-                raise ValueError(f"cu_seqlens: expected shape [B+1] with B >= 1, got shape {tuple(cu_seqlens.shape)}")
             cu = _host_ints(cu_seqlens)
             if cu[0] != 0:
                 raise ValueError(f"cu_seqlens: expected to start at 0, got {cu[0]}")
@@ -177,10 +213,7 @@ def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positio
         lengths = np.diff(cu)
         seq_length = lengths[seq]
     else:
-        if cu_seqlens is not None:
-            raise ValueError(f"cu_seqlens: only valid with layout 'thd', got layout {layout!r}")
-        s_axis, b_axis = (0, 1) if layout == "sbhd" else (1, 0)
-        seq_len, n_seqs = int(x.shape[s_axis]), int(x.shape[b_axis])
+        n_seqs = n_seqs_static
         # Built batch-first [B, S]; transposed to the layout's token order at the end.
         seq = np.repeat(np.arange(n_seqs, dtype=np.int64)[:, None], seq_len, axis=1)
         local = np.repeat(np.arange(seq_len, dtype=np.int64)[None, :], n_seqs, axis=0)
@@ -189,32 +222,14 @@ def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positio
         length_source = x_name
 
     if start_positions is not None:
-        require_dtype("start_positions", start_positions, POSITION_DTYPES)
-        require_ndim("start_positions", start_positions, (1,))
-        if start_positions.shape[0] != n_seqs:
-            raise ValueError(f"start_positions: expected shape [{n_seqs}] (one per sequence), "
-                             f"got shape {tuple(start_positions.shape)}")
         start = _host_ints(start_positions)
         if np.any(start < 0):
             raise ValueError(f"start_positions: expected non-negative values, got {start.tolist()}")
 
     if positions is not None:
-        require_dtype("positions", positions, POSITION_DTYPES)
-        if start_positions is not None:
-            raise ValueError("positions: explicit positions are final; do not combine with start_positions")
-        if cp_size > 1:
-            raise ValueError(f"positions: explicit positions are global; do not combine with cp_size={cp_size}")
         if layout == "thd":
-            require_ndim("positions", positions, (1,))
-            if positions.shape[0] != x.shape[0]:
-                raise ValueError(f"positions: expected shape [{x.shape[0]}] (one per token), got shape {tuple(positions.shape)}")
             pos = _host_ints(positions)
         else:
-            require_ndim("positions", positions, (1, 2))
-            want = [(seq_len,), (n_seqs, seq_len)]
-            if tuple(positions.shape) not in want:
-                raise ValueError(f"positions: expected shape [{seq_len}] or [{n_seqs}, {seq_len}] "
-                                 f"([S] or [B, S]), got shape {tuple(positions.shape)}")
             pos = np.broadcast_to(_host_ints(positions), (n_seqs, seq_len))
         if pos.size and (pos.min() < 0 or pos.max() >= n_rows):
             bad = int(pos.min()) if pos.min() < 0 else int(pos.max())
