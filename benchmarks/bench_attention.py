@@ -1,0 +1,288 @@
+"""MLA attention (DeepSeek-V3 heads: q/k 192, v 128), forward and backward, bf16 and MXFP8 inputs:
+triton vs torch SDPA's cuDNN / flash / memory-efficient backends on the same inputs.
+
+    python benchmarks/bench_attention.py [--quick] [--json PATH]    # on the GPU
+    python benchmarks/bench_attention.py --smoke                    # tiny shapes, CPU interpreter OK
+
+Shapes: B=1, S=4096, H=128 causal (the target shape; --quick runs only this one), plus S=4096
+non-causal and S=8192 causal. Inputs are bshd (q 201 MB at the target shape: larger than L2).
+Times are medians of triton.testing.do_bench(warmup=25, rep=100).
+
+FLOPs: forward 2*B*H*S_q*S_kv*(192 + 128), backward 2*B*H*S_q*S_kv*(3*192 + 2*128) (the five
+matmuls: S = q k^T, dP = do v^T, dv = P^T do, dq = dS k, dk = dS^T q); causal counts half. The same
+count is used for every implementation, so TFLOP/s ratios are time ratios. (Triton's backward
+recomputes S and dP in its separate dq kernel: it executes 38 % more FLOPs than it is credited.)
+
+Baselines: torch.nn.functional.scaled_dot_product_attention under sdpa_kernel(CUDNN_ATTENTION),
+(FLASH_ATTENTION), (EFFICIENT_ATTENTION), given [B, H, S, D] views of the same bshd tensors. A
+backend that refuses q/k 192 with v 128 is reported with its reason and then retried with v
+zero-padded to 192 ("v->192"; the time includes the padded work, the FLOPs credited stay MLA's).
+MXFP8 rows are compared with the bf16 cuDNN time on the dequantized inputs (same values).
+The backward baselines time torch.autograd.grad of the SDPA output (forward graph kept).
+
+Also printed: first-call time of each triton op (compile + autotune), the autotuner's time for every
+config (so one run on the H200 shows the whole tuning space), and the relative Frobenius error of
+every output against the first baseline that ran ("err"), so a fast wrong result shows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only B=1 S=4096 H=128 causal")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--json", help="also write the rows as JSON here")
+    return ap.parse_args()
+
+
+ARGS = parse_args()
+import torch  # noqa: E402
+
+if ARGS.smoke and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import backends  # noqa: E402
+
+backends.load()
+from backends.triton import attention as tri  # noqa: E402
+from spec.mxtensor import MXTensor  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+D_QK, D_V = 192, 128
+TARGETS = {("fwd", "bf16"): 0.85, ("fwd", "mxfp8"): 0.75, ("bwd", "bf16"): 0.70}
+
+
+def bench_ms(fn) -> float:
+    if DEVICE == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    start = time.perf_counter()  # smoke: one timed call, only to show the table works
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def first_call_s(fn) -> float:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------------
+
+def quantize_mx(x: torch.Tensor, axis: int) -> MXTensor:
+    """e4m3 MXFP8 with the rceil scale rule of SEMANTICS 1.1 (torch ops; for benchmark inputs)."""
+    xm = x.float().movedim(axis, -1)
+    blocks = xm.reshape(*xm.shape[:-1], xm.shape[-1] // 32, 32)
+    amax = blocks.abs().amax(-1)
+    p = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)  # RN_f32(1/448) = 0x3B124925
+    bits = p.view(torch.int32)
+    e_field, mant = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    e = torch.where(mant > 0, e_field + 1, e_field).clamp(0, 254)
+    e = torch.where((e_field == 0) & (mant <= 0x400000), e_field, e)
+    s_inv = torch.where(e == 0, torch.full_like(e, 0x7F000000), (254 - e) << 23).view(torch.float32)  # 2^(127-e)
+    codes = (blocks * s_inv[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    codes = codes.reshape(xm.shape).movedim(-1, axis).contiguous()
+    scale = e.to(torch.uint8).movedim(-1, axis).contiguous()
+    return MXTensor(codes, scale, axis % x.ndim, "e4m3", "compact")
+
+
+def make_inputs(b, s, h):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(b, s, h, D_QK, generator=g).to(torch.bfloat16).to(DEVICE)
+    k = torch.randn(b, s, h, D_QK, generator=g).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(b, s, h, D_V, generator=g).to(torch.bfloat16).to(DEVICE)
+    do = torch.randn(b, s, h, D_V, generator=g).to(torch.bfloat16).to(DEVICE)
+    return q, k, v, do
+
+
+def flops(b, s, h, causal, direction):
+    pairs = b * h * s * s * (0.5 if causal else 1.0)
+    per_pair = 2 * (D_QK + D_V) if direction == "fwd" else 2 * (3 * D_QK + 2 * D_V)
+    return pairs * per_pair
+
+
+# --------------------------------------------------------------------------------------------------
+# Baselines: torch SDPA
+# --------------------------------------------------------------------------------------------------
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    if DEVICE != "cuda":
+        return [("sdpa math", SDPBackend.MATH)]
+    return [("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+            ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)]
+
+
+def sdpa_call(backend, q, k, v, causal, scale, pad_v):
+    """SDPA on [B, H, S, D] views of bshd tensors; with pad_v, v is zero-padded to 192 features and
+    the output cut back to 128."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if pad_v:
+        vt = F.pad(vt, (0, D_QK - D_V))
+    with sdpa_kernel(backend):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+    return o[..., :D_V] if pad_v else o
+
+
+def run_baselines(rows, notes, shape, b, s, h, causal, q, k, v, do, scale, tag):
+    """Forward and backward of every SDPA backend; returns {(name, direction): (ms, output)}."""
+    results = {}
+    for name, backend in sdpa_backends():
+        for pad_v in (False, True):
+            label = name + (" v->192" if pad_v else "")
+            try:
+                o = sdpa_call(backend, q, k, v, causal, scale, pad_v)
+                ms = bench_ms(lambda: sdpa_call(backend, q, k, v, causal, scale, pad_v))
+            except Exception as exc:  # noqa: BLE001 - a refusal is a result
+                notes.append(f"{label} fwd {shape}: not accepted ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+                continue
+            results[(name, "fwd")] = (ms, o.transpose(1, 2))
+            rows.append(dict(op="fwd", inputs=tag, shape=shape, impl=label, ms=ms,
+                             tflops=flops(b, s, h, causal, "fwd") / ms / 1e9))
+            try:
+                qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+                og = sdpa_call(backend, qg, kg, vg, causal, scale, pad_v)
+                dot = do.transpose(1, 2)
+                grads = torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True)
+                ms = bench_ms(lambda: torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True))
+                results[(name, "bwd")] = (ms, grads)
+                rows.append(dict(op="bwd", inputs=tag, shape=shape, impl=label, ms=ms,
+                                 tflops=flops(b, s, h, causal, "bwd") / ms / 1e9))
+                del og, grads, qg, kg, vg
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"{label} bwd {shape}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+            break  # the unpadded call worked (or the padded one did): no need for the next variant
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Triton
+# --------------------------------------------------------------------------------------------------
+
+def tuning_notes(kernel, what):
+    """The autotuner's per-config times of its last tuning run, best first."""
+    timings = getattr(kernel, "configs_timings", None) or {}
+    lines = []
+    for cfg, t in sorted(timings.items(), key=lambda kv: (kv[1][0] if isinstance(kv[1], (list, tuple)) else kv[1])):
+        t0 = t[0] if isinstance(t, (list, tuple)) else t
+        lines.append(f"  {what}: {cfg.kwargs} warps={cfg.num_warps} stages={cfg.num_stages}: {t0:.4f} ms")
+    best = getattr(kernel, "best_config", None)
+    if best is not None:
+        lines.insert(0, f"  {what}: chosen {best.kwargs} warps={best.num_warps} stages={best.num_stages}")
+    return lines
+
+
+def main():
+    if ARGS.smoke:
+        cases = [(1, 64, 2, True)]
+    elif ARGS.quick:
+        cases = [(1, 4096, 128, True)]
+    else:
+        cases = [(1, 4096, 128, True), (1, 4096, 128, False), (1, 8192, 128, True)]
+    scale = 1.0 / math.sqrt(D_QK)
+
+    rows, notes = [], []
+    for b, s, h, causal in cases:
+        shape = f"B{b} S{s} H{h}{' causal' if causal else ''}"
+        q, k, v, do = make_inputs(b, s, h)
+        q_mx, k_mx, v_mx = quantize_mx(q, -1), quantize_mx(k, -1), quantize_mx(v, 1)
+        q_dq, k_dq, v_dq = (tri._dequantize_bf16(x) for x in (q_mx, k_mx, v_mx))
+
+        base = run_baselines(rows, notes, shape, b, s, h, causal, q, k, v, do, scale, "bf16")
+        base_mx = run_baselines(rows, notes, shape, b, s, h, causal, q_dq, k_dq, v_dq, do, scale, "mxfp8 (dequantized)")
+        ref_fwd = next((base[(n, "fwd")][1] for n, _ in sdpa_backends() if (n, "fwd") in base), None)
+        ref_bwd = next((base[(n, "bwd")][1] for n, _ in sdpa_backends() if (n, "bwd") in base), None)
+        ref_fwd_mx = next((base_mx[(n, "fwd")][1] for n, _ in sdpa_backends() if (n, "fwd") in base_mx), None)
+        cudnn = {d: base.get(("sdpa cudnn", d), (None,))[0] for d in ("fwd", "bwd")}
+        cudnn_mx = base_mx.get(("sdpa cudnn", "fwd"), (None,))[0]
+
+        def add_row(op, tag, impl, ms, out, ref, vs_ms, target_key=None):
+            err = None
+            if ref is not None:
+                both = list(zip(out, ref)) if isinstance(out, tuple) else [(out, ref)]
+                err = max(rel_err(a, r) for a, r in both)
+            rows.append(dict(op=op, inputs=tag, shape=shape, impl=impl, ms=ms,
+                             tflops=flops(b, s, h, causal, op) / ms / 1e9,
+                             vs_cudnn=(vs_ms / ms) if vs_ms else None, err=err,
+                             target=TARGETS.get(target_key) if target_key else None))
+
+        # Forward, bf16.
+        fwd = lambda: tri.mla_attention(q, k, v, causal=causal)  # noqa: E731
+        notes.append(f"triton fwd bf16 {shape}: first call {first_call_s(fwd):.1f} s (compile + autotune)")
+        notes += tuning_notes(tri._mla_fwd_kernel, "fwd bf16")
+        o, lse = fwd()
+        add_row("fwd", "bf16", "triton", bench_ms(fwd), o, ref_fwd, cudnn["fwd"], ("fwd", "bf16"))
+
+        # Forward, MXFP8, both dequantize placements.
+        for mode in ("load", "predequant"):
+            fwd_mx = lambda: tri._forward(q_mx, k_mx, v_mx, causal, None, "bshd", None, None, mx_dequant=mode)  # noqa: E731
+            notes.append(f"triton fwd mxfp8 ({mode}) {shape}: first call {first_call_s(fwd_mx):.1f} s")
+            notes += tuning_notes(tri._mla_fwd_kernel, f"fwd mxfp8 {mode}")
+            o_mx, _ = fwd_mx()
+            impl = "triton (dequant in load)" if mode == "load" else "triton (k,v predequant)"
+            add_row("fwd", "mxfp8", impl, bench_ms(fwd_mx), o_mx, ref_fwd_mx, cudnn_mx or cudnn["fwd"],
+                    ("fwd", "mxfp8"))
+
+        # Backward, bf16 (the forward's own o and lse).
+        bwd = lambda: tri.mla_attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+        notes.append(f"triton bwd bf16 {shape}: first call {first_call_s(bwd):.1f} s (compile + autotune)")
+        notes += tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv")
+        notes += tuning_notes(tri._mla_bwd_dq_kernel, "bwd dq")
+        grads = bwd()
+        add_row("bwd", "bf16", "triton", bench_ms(bwd), grads, ref_bwd, cudnn["bwd"], ("bwd", "bf16"))
+
+        # Backward, MXFP8 operands (dequantized once, then the bf16 kernels).
+        bwd_mx = lambda: tri.mla_attention_backward(do, q_mx, k_mx, v_mx, o_mx, lse, causal=causal)  # noqa: E731
+        first_call_s(bwd_mx)
+        add_row("bwd", "mxfp8", "triton (predequant)", bench_ms(bwd_mx), bwd_mx(), None, cudnn["bwd"])
+
+        del q, k, v, do, q_mx, k_mx, v_mx, q_dq, k_dq, v_dq, base, base_mx, o, lse, grads
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+    for note in notes:
+        print(note)
+    print()
+    print(f"{'op':4} {'inputs':20} {'shape':22} {'impl':26} {'ms':>9} {'TFLOP/s':>8} {'vs cudnn':>9} "
+          f"{'target':>7} {'err':>8}")
+    for r in rows:
+        vs = f"{r['vs_cudnn']:9.3f}" if r.get("vs_cudnn") else f"{'':9}"
+        tgt = f"{r['target']:7.2f}" if r.get("target") else f"{'':7}"
+        err = f"{r['err']:8.1e}" if r.get("err") is not None else f"{'':8}"
+        print(f"{r['op']:4} {r['inputs']:20} {r['shape']:22} {r['impl']:26} {r['ms']:9.4f} {r['tflops']:8.1f} "
+              f"{vs} {tgt} {err}")
+    if ARGS.json:
+        dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+        for r in rows:
+            r["device"] = dev
+        with open(ARGS.json, "w") as f:
+            json.dump(dict(rows=rows, notes=notes), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
