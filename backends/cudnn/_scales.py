@@ -1,0 +1,99 @@
+"""MXFP8 scale re-layout for cuDNN's MXFP8 SDPA, in torch (same bytes as spec.swizzle).
+
+`pack_attention_scales(t, role, layout)` returns exactly the bytes and shape of
+`spec.swizzle.pack_attention_scales` (SEMANTICS 3, attention paragraph): per (batch, head), the 2-D
+scale matrix with the blocked axis last, zero-padded to (roundup(rows, 128), roundup(cols, 4)) and
+stored in F8_128x4 order. role "qk" (blocked along D): [B, H, roundup(S,128), roundup(D/32,4)];
+role "v" (blocked along S): the [D, S/32] matrix's bytes in an array shaped
+[B, H, roundup(S/32,4), roundup(D,128)], which cuDNN reads as that logical shape with the S/32 dim
+fastest (`v_role_view`). Swizzled input scales are unswizzled first.
+
+`mla_q_uproj_rope_quant`'s q_row ([T, H, 192] blocked along D, compact [T, H, 6] scales) is one
+sequence in thd layout: `thd_as_bshd` views it as bshd [1, T, H, 192] (no copy), after which the
+"qk" packing applies (checked against spec byte for byte in tests/test_cudnn_backend.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from spec.constants import SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.mxtensor import MXTensor
+
+_ROW_GROUPS = SWIZZLE_ROWS // 32
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _tile_perm(nb: int):
+    # (R'/128, 4, 32, C'/4, 4) -> (R'/128, C'/4, 32, 4, 4): SEMANTICS 3 step 3
+    return tuple(range(nb)) + tuple(nb + k for k in (0, 3, 2, 1, 4))
+
+
+def swizzle_matrix(s: torch.Tensor) -> torch.Tensor:
+    """S[..., R, C] (any strides) -> zero-padded swizzled bytes, contiguous [..., R', C']."""
+    *batch, rows, cols = s.shape
+    rp, cp = _roundup(rows, SWIZZLE_ROWS), _roundup(cols, SWIZZLE_COLS)
+    padded = s.new_zeros((*batch, rp, cp))
+    padded[..., :rows, :cols] = s
+    tiles = padded.view(*batch, rp // SWIZZLE_ROWS, _ROW_GROUPS, 32, cp // SWIZZLE_COLS, SWIZZLE_COLS)
+    return tiles.permute(_tile_perm(len(batch))).contiguous().view(*batch, rp, cp)
+
+
+def compact_scales(t: MXTensor) -> torch.Tensor:
+    """t's compact scale bytes (the swizzled matrix unswizzled, padding dropped)."""
+    if t.scale_layout == "compact":
+        return t.scale
+    rows, cols = t.scale_matrix_shape
+    rp, cp = t.swizzled_scale_shape
+    # the swizzle permutation is its own inverse: buffer (R'/128, C'/4, 32, 4, 4) -> (R'/128, 4, 32, C'/4, 4)
+    tiles = t.scale.reshape(rp // SWIZZLE_ROWS, cp // SWIZZLE_COLS, 32, _ROW_GROUPS, SWIZZLE_COLS)
+    matrix = tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
+    other = [n for i, n in enumerate(t.compact_scale_shape) if i != t.axis]
+    return matrix.reshape(*other, cols).movedim(-1, t.axis)
+
+
+def _axes(layout: str):
+    """(batch axis, sequence axis) of a 4-D bshd / sbhd tensor (heads axis 2, features axis 3)."""
+    if layout == "bshd":
+        return 0, 1
+    if layout == "sbhd":
+        return 1, 0
+    raise ValueError(f"layout: expected 'bshd' or 'sbhd' for per-(batch, head) scale packing, got {layout!r}")
+
+
+def pack_attention_scales(t: MXTensor, role: str, layout: str = "bshd") -> torch.Tensor:
+    """Torch twin of spec.swizzle.pack_attention_scales (same bytes, same shape, uint8, contiguous)."""
+    b_axis, s_axis = _axes(layout)
+    if t.ndim != 4:
+        raise ValueError(f"t: expected 4 dimensions ({layout}), got shape {t.shape}")
+    want = 3 if role == "qk" else s_axis
+    if role not in ("qk", "v"):
+        raise ValueError(f"role: expected 'qk' or 'v', got {role!r}")
+    if t.axis != want:
+        raise ValueError(f"t: role {role!r} needs scales blocked along axis {want} of {layout}, got axis {t.axis}")
+    scale = compact_scales(t)
+    if role == "qk":
+        return swizzle_matrix(scale.permute(b_axis, 2, s_axis, 3))  # [B, H, S, D/32] -> [B, H, S', C']
+    swz = swizzle_matrix(scale.permute(b_axis, 2, 3, s_axis))  # [B, H, D, S/32] -> [B, H, D', S'']
+    b, h, dp, sp = swz.shape
+    return swz.view(b, h, sp, dp)
+
+
+def v_role_view(packed: torch.Tensor) -> torch.Tensor:
+    """A role-"v" packed buffer [B, H, S'', D'] as the strided view cuDNN is told about: logical
+    [B, H, S'', D'] with strides (H*S''*D', S''*D', 1, S'') -- the same bytes, S/32 fastest."""
+    b, h, sp, dp = packed.shape
+    return packed.view(b, h, dp, sp).transpose(2, 3)
+
+
+def v_role_strides(b: int, h: int, s_blocks_padded: int, d_padded: int):
+    return (h * s_blocks_padded * d_padded, s_blocks_padded * d_padded, 1, s_blocks_padded)
+
+
+def thd_as_bshd(t: MXTensor) -> MXTensor:
+    """A [T, H, D] MXTensor (one sequence, e.g. mla_q_uproj_rope_quant's q_row or q_col) as bshd
+    [1, T, H, D]: data and compact scales gain a leading batch axis of 1, the blocked axis shifts by one."""
+    scale = compact_scales(t)
+    return MXTensor(t.data.unsqueeze(0), scale.unsqueeze(0), t.axis + 1, t.elem, "compact")
