@@ -35,7 +35,9 @@ What a GPU backend can match (SEMANTICS is silent; this is the contract for back
 
 Non-finite and edge values (IEEE arithmetic, no special cases): a NaN in a row makes ss, rstd and
 the row's y NaN (code 0x7F); an Inf makes ss = Inf, rstd = 0, y = Inf * 0 = NaN at the Inf and +-0
-elsewhere. A finite row whose ss overflows fp32 likewise gets rstd = 0 and y = +-0. eps = 0 with an
+elsewhere. A finite row whose ss overflows fp32 likewise gets rstd = 0 and y = +-0. A NaN rstd is
+written as the positive quiet NaN 0x7FC00000 (NaN payloads after arithmetic differ between CPUs and
+GPUs). eps = 0 with an
 all-zero row gives v = 0, rstd = +Inf and y = 0 * Inf = NaN. eps must be a finite number >= 0.
 """
 from __future__ import annotations
@@ -84,7 +86,7 @@ def rmsnorm_rstd(x32: np.ndarray, eps: float) -> np.ndarray:
         ms = ss * inv_d
         v = ms + np.float32(eps)
         rstd = (1.0 / np.sqrt(v.astype(np.float64))).astype(np.float32)
-    return rstd
+    return np.where(np.isnan(rstd), np.float32(np.nan), rstd)  # NaN written as 0x7FC00000
 
 
 def rmsnorm_apply(x32: np.ndarray, gamma, rstd: np.ndarray, zero_centered_gamma: bool) -> np.ndarray:

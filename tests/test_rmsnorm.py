@@ -183,6 +183,7 @@ def test_nonfinite_rows():
     with np.errstate(all="ignore"):
         y_row, y_col, rstd = rmsnorm_mxfp8(x, np.ones(64, f32), eps=0.0)
     assert np.isnan(rstd[0]) and rstd[1] == 0 and rstd[2] == np.inf and rstd[3] == 0
+    assert rstd[:1].view(np.uint32)[0] == 0x7FC00000  # canonical NaN
     codes = y_row.data.view(np.uint8)
     assert np.all(codes[0] == 0x7F)  # NaN everywhere
     assert codes[1, 5] == 0x7F and np.all(np.delete(codes[1], 5) == 0)  # Inf * 0 = NaN, 1 * 0 = +0

@@ -10,6 +10,8 @@ backends.torch.quantize along (-1, 0) from the fp32 y. Given rstd, y and its MXF
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..registry import register
@@ -22,7 +24,8 @@ def rmsnorm_rstd(x32: torch.Tensor, eps: float) -> torch.Tensor:
     ss = x32.to(torch.float64).square().sum(dim=1).to(torch.float32)  # squares exact in float64
     inv_d = torch.tensor(1.0, dtype=torch.float32) / d  # RN32(1/D)
     v = ss * inv_d.to(x32.device) + torch.tensor(eps, dtype=torch.float32, device=x32.device)
-    return (1.0 / torch.sqrt(v.to(torch.float64))).to(torch.float32)
+    rstd = (1.0 / torch.sqrt(v.to(torch.float64))).to(torch.float32)
+    return rstd.masked_fill_(torch.isnan(rstd), math.nan)  # positive quiet NaN, as spec
 
 
 @register("rmsnorm_mxfp8", "torch", check=torch_tensor_reasons)
