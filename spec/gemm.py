@@ -57,7 +57,6 @@ from .mxtensor import MXTensor
 __all__ = ["mxfp8_gemm", "validate_mxfp8_gemm", "dequantize_f64", "exact_matmul_rounded",
            "exact_rowsum_rounded", "round_f64_to", "round_to_odd_f32"]
 
-_OUT_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _NO_BITS = 1 << 20  # quantum exponent of a row with no nonzero entry: anything is exact
 MX_SIG_BITS = 4  # significant bits of a dequantized e4m3 (e5m2: 3) value
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import time
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings

@@ -216,7 +216,8 @@ def _ok():
 @pytest.mark.parametrize("kwargs, exc, pattern", [
     (dict(x=np.ones((32, 64), np.int32)), TypeError, r"^x: expected dtype in"),
     (dict(x=np.ones((32, 64, 1), f32)), ValueError, r"^x: expected 2 dimensions"),
-    (dict(x=np.ones((32, 48), f32), gamma=np.ones(48, f32)), ValueError, r"^x: dim 1 \(D, blocked rowwise\) has length 48"),
+    (dict(x=np.ones((32, 48), f32), gamma=np.ones(48, f32)), ValueError,
+     r"^x: dim 1 \(D, blocked rowwise\) has length 48"),
     (dict(x=np.ones((40, 64), f32)), ValueError, r"^x: dim 0 \(T, blocked columnwise\) has length 40"),
     (dict(gamma=np.ones(32, f32)), ValueError, r"^gamma: expected size 64 at dim 0 \(D of x\)"),
     (dict(gamma=np.ones((1, 64), f32)), ValueError, r"^gamma: expected 1 dimensions"),

@@ -145,7 +145,8 @@ def test_backward_random_within_bound(target, quantize_grad):
     g = spec.rope_backward(dq, cos, sin, style="mla", layout="thd", positions=np.arange(tokens),
                            out_dtype="float32").reshape(tokens, heads * D).astype(np.float64)
     ag, ax, aw = np.abs(g), np.abs(x.astype(np.float64)), np.abs(w.astype(np.float64))
-    for name, gv, wv, mag, c in (("dx", got[0], want[0], ag @ aw, heads * D), ("dw", got[1], want[1], ag.T @ ax, tokens)):
+    cases = (("dx", got[0], want[0], ag @ aw, heads * D), ("dw", got[1], want[1], ag.T @ ax, tokens))
+    for name, gv, wv, mag, c in cases:
         gv, wv = to_numpy(gv).astype(np.float64), wv.astype(np.float64)
         ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(wv), 2.0 ** -126))) - 7)
         mag = mag * (1.25 if quantize_grad else 1.0)  # MXFP8 operands: |dq(v)| <= |v| (1 + 2^-3)
