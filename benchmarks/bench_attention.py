@@ -256,6 +256,12 @@ def main():
         grads = bwd()
         add_row("bwd", "bf16", "triton", bench_ms(bwd), grads, ref_bwd, cudnn["bwd"], ("bwd", "bf16"))
 
+        # Backward, bf16, dq by atomics from the dkdv kernel (opt-in; not deterministic).
+        bwd_at = lambda: tri._backward(do, q, k, v, o, lse, causal, None, "bshd", None, None, dq_mode="atomic")  # noqa: E731
+        notes.append(f"triton bwd bf16 atomic-dq {shape}: first call {first_call_s(bwd_at):.1f} s")
+        notes += tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv atomic-dq")
+        add_row("bwd", "bf16", "triton (atomic dq)", bench_ms(bwd_at), bwd_at(), ref_bwd, cudnn["bwd"])
+
         # Backward, MXFP8 operands (dequantized once, then the bf16 kernels).
         bwd_mx = lambda: tri.mla_attention_backward(do, q_mx, k_mx, v_mx, o_mx, lse, causal=causal)  # noqa: E731
         first_call_s(bwd_mx)

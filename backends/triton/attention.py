@@ -38,7 +38,10 @@ Kernel design
   owns a block of BLOCK_N keys and loops over query blocks, accumulating dk (two tiles, 128 + 64) and
   dv in fp32; `_mla_bwd_dq_kernel` owns a block of queries and loops over key blocks accumulating dq.
   Each recomputes P from q, k and lse2 (no atomics: the same inputs give the same bits every run).
-  dS is rounded to bf16 for its dots, as P is. MXFP8 operands are dequantized to bf16 once (exactly,
+  dS is rounded to bf16 for its dots, as P is. `BWD_DQ = "atomic"` (opt-in) instead has the dkdv
+  kernel add dS k into an fp32 dq buffer with vectorised atomics and skips the dq kernel: no
+  recomputation of S and dP (38 % fewer FLOPs), but the summation order, hence the last bits of dq,
+  varies from run to run. MXFP8 operands are dequantized to bf16 once (exactly,
   same rule as above) before the backward kernels: every q block is re-read by every key block, so a
   one-pass dequantize costs less than dequantizing in each program.
 - Register budget (H200, 64K 32-bit registers per SM): the dkdv program holds fp32 dk + dv
@@ -67,6 +70,9 @@ LN2 = 0.6931471805599453
 # "load": dequantize MXFP8 k / v tiles inside the attention kernel; "predequant": one pass to bf16
 # before it. benchmarks/bench_attention.py times both.
 FWD_MX_DEQUANT = "load"
+# "separate": dq from its own kernel (deterministic, recomputes S and dP); "atomic": the dkdv kernel
+# also adds dS k into an fp32 dq buffer with atomics (no recompute; summation order varies run to run).
+BWD_DQ = "separate"
 
 assert MLA_QK_HEAD_DIM == 192 and MLA_V_HEAD_DIM == 128  # the kernels hard-code the 128 + 64 split
 
@@ -397,10 +403,10 @@ def _mla_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
-                    q_base, do_base, lse2_base, delta_base,
-                    stride_qs, stride_dos,
+                    q_base, do_base, lse2_base, delta_base, dqa_base,
+                    stride_qs, stride_dos, stride_dqas,
                     kv_idx, seqlen_q, shift, qk_scale, lo, hi,
-                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
+                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     q_rows = offs_m * stride_qs
     do_rows = offs_m * stride_dos
@@ -427,22 +433,31 @@ def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
         dsT = _to_bf16(pT * (dpT - delta[None, :]))
         dk0 = _mma(dsT, q0, dk0)
         dk1 = _mma(dsT, q1, dk1)
+        if ATOMIC_DQ:
+            # dq += dS k (unscaled) into the fp32 accumulator shared by every key block.
+            ds = tl.trans(dsT)
+            dqp = dqa_base + start_m.to(tl.int64) * stride_dqas + (offs_m * stride_dqas)[:, None]
+            tl.atomic_add(dqp + tl.arange(0, 128)[None, :], _mma(ds, k0, None), mask=q_mask[:, None],
+                          sem="relaxed")
+            tl.atomic_add(dqp + 128 + tl.arange(0, 64)[None, :], _mma(ds, k1, None), mask=q_mask[:, None],
+                          sem="relaxed")
     return dk0, dk1, dv
 
 
-@triton.autotune(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN"])
+@triton.autotune(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "ATOMIC_DQ"], reset_to_zero=["DQA"])
 @triton.jit
 def _mla_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV, CU_Q, CU_KV,
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CU_Q, CU_KV,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqab, stride_dqas, stride_dqah,
     stride_lb, stride_lh,
     H, SEQ_Q, SEQ_KV, qk_scale, sm_scale, SEQ_BUCKET,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -472,6 +487,7 @@ def _mla_bwd_dkdv_kernel(
     q_base = Q + b64 * stride_qb + h64 * stride_qh + q_row0 * stride_qs
     do_base = DO + b64 * stride_dob + h64 * stride_doh + q_row0 * stride_dos
     l_off = b64 * stride_lb + h64 * stride_lh + q_row0
+    dqa_base = DQA + b64 * stride_dqab + h64 * stride_dqah + q_row0 * stride_dqas
     dk0 = tl.zeros([BLOCK_N, 128], tl.float32)
     dk1 = tl.zeros([BLOCK_N, 64], tl.float32)
     dv = tl.zeros([BLOCK_N, 128], tl.float32)
@@ -482,13 +498,13 @@ def _mla_bwd_dkdv_kernel(
         m_start = tl.maximum(n_lo - shift, 0) // BLOCK_M * BLOCK_M
         m_full = (tl.maximum(n_lo + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         dk0, dk1, dv = _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v, q_base, do_base, LSE2 + l_off, DELTA + l_off,
-                                       stride_qs, stride_dos, kv_idx, seqlen_q, shift, qk_scale,
-                                       m_start, tl.minimum(m_full, seqlen_q), BLOCK_M, True)
+                                       dqa_base, stride_qs, stride_dos, stride_dqas, kv_idx, seqlen_q, shift,
+                                       qk_scale, m_start, tl.minimum(m_full, seqlen_q), BLOCK_M, True, ATOMIC_DQ)
     else:
         m_full = n_lo * 0
     dk0, dk1, dv = _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v, q_base, do_base, LSE2 + l_off, DELTA + l_off,
-                                   stride_qs, stride_dos, kv_idx, seqlen_q, shift, qk_scale,
-                                   m_full, seqlen_q, BLOCK_M, False)
+                                   dqa_base, stride_qs, stride_dos, stride_dqas, kv_idx, seqlen_q, shift,
+                                   qk_scale, m_full, seqlen_q, BLOCK_M, False, ATOMIC_DQ)
 
     d128 = tl.arange(0, 128)
     d64 = tl.arange(0, 64)
@@ -730,7 +746,11 @@ def _forward(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv):
+def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, dq_mode=None):
+    dq_mode = dq_mode or BWD_DQ
+    if dq_mode not in ("separate", "atomic"):
+        raise ValueError(f"BWD_DQ: expected 'separate' or 'atomic', got {dq_mode!r}")
+    atomic = dq_mode == "atomic"
     q, k, v = (_dequantize_bf16(x) if isinstance(x, MXTensor) else _feature_contiguous(x) for x in (q, k, v))
     do, o = _feature_contiguous(do), _feature_contiguous(o)
     geo = _Geometry(q.shape, k.shape, layout, cu_seqlens_q, cu_seqlens_kv)
@@ -754,14 +774,19 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
             geo.heads, geo.seq_q, VARLEN=geo.varlen, BLOCK_M=block,
         )
     common = (geo.heads, geo.seq_q, geo.seq_kv, scale * LOG2E, scale)
+    # Atomic mode: unscaled fp32 dq sums (zeroed by the autotuner's reset before its final run too).
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
     if geo.max_kv:
         _mla_bwd_dkdv_kernel[lambda meta: (bh, triton.cdiv(geo.max_kv, meta["BLOCK_N"]))](
-            q, k, v, do, lse2, delta, dk, dv, cu_q, cu_kv,
+            q, k, v, do, lse2, delta, dk, dv, dq_acc, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dk, layout), *_bsh_strides(dv, layout),
-            *geo.lse_strides, *common, _seq_bucket(geo.max_kv),
-            CAUSAL=bool(causal), VARLEN=geo.varlen,
+            *_bsh_strides(dq_acc, layout), *geo.lse_strides, *common, _seq_bucket(geo.max_kv),
+            CAUSAL=bool(causal), VARLEN=geo.varlen, ATOMIC_DQ=atomic,
         )
+    if atomic:
+        dq.copy_(dq_acc * scale)  # one fp32 multiply, then RN to bf16 (as the dq kernel's epilogue)
+        return dq, dk, dv
     if geo.max_q:
         _mla_bwd_dq_kernel[lambda meta: (bh, triton.cdiv(geo.max_q, meta["BLOCK_M"]))](
             q, k, v, do, lse2, delta, dq, cu_q, cu_kv,

@@ -243,6 +243,17 @@ def test_varlen_empty_sequences(target, causal):
     assert np.all(dk[20:45] == 0) and np.all(dv[20:45] == 0)
 
 
+@pytest.mark.parametrize("layout,causal", [("bshd", True), ("thd", False)])
+def test_backward_atomic_dq(target, layout, causal, monkeypatch):
+    """The opt-in BWD_DQ = "atomic" path (dq summed by atomics in the dkdv kernel)."""
+    from backends.triton import attention as attn
+
+    monkeypatch.setattr(attn, "BWD_DQ", "atomic")
+    q, k, v, do = make_inputs(28, 2, 40, 56, 2, layout)
+    kw = _kw(causal, layout, np.array([0, 40, 80], np.int32), np.array([0, 56, 112], np.int32))
+    _forward_and_backward(target, q, k, v, do, layout, kw, what=f"atomic dq {layout}")
+
+
 # --------------------------------------------------------------------------------------------------
 # DeepSeek-V3 sizes (CUDA only)
 # --------------------------------------------------------------------------------------------------
