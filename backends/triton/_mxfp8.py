@@ -39,18 +39,17 @@ def abs_bits_ignoring_nan(v):
 @triton.jit
 def rceil_scale_from_amax_bits(amax_bits):
     """E8M0 byte (int32 lanes, 0..255) of an e4m3 block from its amax bits, "rceil" mode
-    (SEMANTICS 1.1 steps 2-3): p = RN_f32(amax * R), then the exponent-bit rule on p.
-    Under the saturate policy an Inf amax gives p = Inf -> 254, which this rule already yields."""
+    (SEMANTICS 1.1 steps 2-3): p = RN_f32(amax * R), then the exponent-bit rule on p's bits.
+    The rule in a few integer ops: (bits + 0x7FFFFF) >> 23 is E + (M > 0) (the carry out of the
+    mantissa); clamping the bits at 2^127 first covers E = 254 with M > 0 and p = +Inf (E = 255, M = 0;
+    the saturate policy's Inf block) -> 254; p <= 2^-127 (bits <= 0x400000, subnormal p) gives 0. A NaN p (only from a NaN
+    amax, which amax_bits_ignoring_nan never returns) gives 255."""
     amax = amax_bits.to(tl.float32, bitcast=True)
     r = tl.full(amax_bits.shape, E4M3_INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-    p = (amax * r).to(tl.int32, bitcast=True)  # one fp32 multiply, never a division or log2
-    biased = (p >> 23) & 0xFF
-    mant = p & F32_MANT_MASK
-    e = biased + (mant > 0).to(tl.int32)
-    e = tl.where(biased == 254, 254, e)  # p >= 2^127: the largest finite scale
-    e = tl.where((biased == 0) & (mant <= HALF_SUBNORMAL_MANT), 0, e)  # p <= 2^-127
-    e = tl.where(biased == 255, tl.where(mant > 0, 255, 254), e)  # NaN p -> 255, Inf -> 254
-    return e
+    p = (amax * r).to(tl.int32, bitcast=True) & F32_ABS_MASK  # one fp32 multiply, never a division or log2
+    e = (tl.minimum(p, 0x7F000000) + F32_MANT_MASK) >> 23  # E >= 254 (incl. Inf) -> 254, no int overflow
+    e = tl.where(p <= HALF_SUBNORMAL_MANT, 0, e)
+    return tl.where(p > F32_INF_BITS, 255, e)
 
 
 @triton.jit
@@ -104,3 +103,27 @@ def encode_e4m3(y, HW_CVT: tl.constexpr):
     else:
         return encode_e4m3_bits(y)
 
+
+
+@triton.jit
+def amax_bits_ignoring_nan(v, axis: tl.constexpr):
+    """int32 bits of the NaN-ignoring amax of v along `axis` (SEMANTICS 1.1 step 1) with a float max:
+    tl.max lowers to maxnum (PTX max.f32, NumPy nanmax in the interpreter), which returns the non-NaN
+    operand, and |.| folds into the max instruction -- one instruction per element instead of the
+    four of the integer version. A block of only NaN reduces to NaN, which is replaced by +0 here
+    (per block, not per element)."""
+    amax = tl.max(tl.abs(v), axis=axis)
+    return tl.where(amax == amax, amax, 0.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def encode_e4m3_arith(y, HW_CVT: tl.constexpr):
+    """encode_e4m3 for values produced by GPU arithmetic in this kernel family (not loaded raw): on the
+    GPU every fp32 NaN result of an arithmetic instruction is the canonical positive 0x7FFFFFFF, and
+    cvt.rn.satfinite.e4m3x2.f32 saturates finite overflow and Inf to +-448 itself, so the conversion
+    alone gives the spec's bytes (a positive NaN can only be 0x7F in e4m3) -- no clamp, no NaN select.
+    Callers must only pass y = (arithmetic result) * s_inv."""
+    if HW_CVT:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return encode_e4m3_bits(y)

@@ -69,7 +69,7 @@ from spec.mxtensor import MXTensor
 from ..registry import register
 from ._common import interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
-from ._mxfp8 import abs_bits_ignoring_nan, encode_e4m3, rceil_scale_from_amax_bits, scale_multiplier, scale_value
+from ._mxfp8 import amax_bits_ignoring_nan, encode_e4m3_arith, rceil_scale_from_amax_bits, scale_multiplier, scale_value
 from .gemm import _grouped_tile, m_bucket, mxfp8_gemm_tensors, scale_offsets
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
@@ -113,38 +113,96 @@ def _round_bf16(v, HW_CVT: tl.constexpr):
 @triton.jit
 def _quantize_rows(v, HW_CVT: tl.constexpr):
     """v [R, NB, 32] fp32: (codes uint8 [R, NB, 32], scale bytes int32 [R, NB]), blocks along axis 2."""
-    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=2))
-    return encode_e4m3(v * scale_multiplier(e)[:, :, None], HW_CVT), e
+    e = rceil_scale_from_amax_bits(amax_bits_ignoring_nan(v, 2))
+    return encode_e4m3_arith(v * scale_multiplier(e)[:, :, None], HW_CVT), e
 
 
 @triton.jit
 def _quantize_cols(v, HW_CVT: tl.constexpr):
     """v [NB, 32, F] fp32: (codes uint8 [NB, 32, F], scale bytes int32 [NB, F]), blocks along axis 1."""
-    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=1))
-    return encode_e4m3(v * scale_multiplier(e)[:, None, :], HW_CVT), e
+    e = rceil_scale_from_amax_bits(amax_bits_ignoring_nan(v, 1))
+    return encode_e4m3_arith(v * scale_multiplier(e)[:, None, :], HW_CVT), e
 
 
 @triton.jit
 def _quantize_vec(v, HW_CVT: tl.constexpr):
     """v [R, 32] fp32, one block per row: (codes [R, 32], scale bytes [R])."""
-    e = rceil_scale_from_amax_bits(tl.max(abs_bits_ignoring_nan(v), axis=1))
-    return encode_e4m3(v * scale_multiplier(e)[:, None], HW_CVT), e
+    e = rceil_scale_from_amax_bits(amax_bits_ignoring_nan(v, 1))
+    return encode_e4m3_arith(v * scale_multiplier(e)[:, None], HW_CVT), e
 
 
 @triton.jit
-def _store_both(v, tok, t_ok, feat0, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
-                col_stride, head_off, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr, HW_CVT: tl.constexpr):
-    """Columnwise quantization of one [BLOCK_M, WIDTH] chunk of a head (features feat0 ..) and its store;
-    returns nothing. (The rowwise part differs per chunk and is done by the caller.)"""
+def _store(ptrs, values, mask, UNMASKED: tl.constexpr):
+    if UNMASKED:
+        tl.store(ptrs, values)
+    else:
+        tl.store(ptrs, values, mask=mask)
+
+
+@triton.jit
+def _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                         row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
+                         BLOCK_M: tl.constexpr, EVEN_T: tl.constexpr, HW_CVT: tl.constexpr):
+    """Epilogue steps 2-4 for one [BLOCK_M tokens, head] tile: nope [BM, 128] and the even / odd RoPE
+    inputs [BM, 32] (fp32 values of the bf16-staged q) -> mla RoPE -> both MXFP8 quantizations, stored.
+    Addresses: one 64-bit base per output for the tile, 32-bit offsets inside it (the tile spans
+    BLOCK_M * H * 192 bytes < 2^31); masks only when T is not a multiple of BLOCK_M (EVEN_T)."""
+    HEAD: tl.constexpr = 192
+    NOPE: tl.constexpr = 128
+    HALF: tl.constexpr = 32
     NB: tl.constexpr = BLOCK_M // 32
-    feats = feat0 + tl.arange(0, WIDTH)
-    codes, e = _quantize_cols(tl.reshape(v, [NB, 32, WIDTH]), HW_CVT)
-    tok3 = tl.reshape(tok, [NB, 32])
+    m0 = pid_m * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    t_ok = (m0 + rows) < T
+    rows_t = tl.minimum(m0 + rows, T - 1)
+    offs_h = tl.arange(0, HALF)
+    cos_row = cos_ptr + rows_t.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
+    sin_row = sin_ptr + rows_t.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
+    cos_l = widen_f32(tl.load(cos_row))
+    cos_r = widen_f32(tl.load(cos_row + HALF))
+    sin_l = widen_f32(tl.load(sin_row))
+    sin_r = widen_f32(tl.load(sin_row + HALF))
+    left = even * cos_l - odd * sin_l  # out[k]      (k < 32)
+    right = odd * cos_r + even * sin_r  # out[32 + k]
+
+    code_stride = H * HEAD  # [T, H, 192] codes, contiguous
+    tile_codes = m0.to(tl.int64) * code_stride + head * HEAD
+    row_codes = row_code_ptr + tile_codes
+    col_codes = col_code_ptr + tile_codes
+    row_scales = row_scale_ptr + (m0.to(tl.int64) * (H * 6) + head * 6)  # [T, H, 6]
+    col_scales = col_scale_ptr + ((pid_m * NB).to(tl.int64) * code_stride + head * HEAD)  # [T/32, H, 192]
+    row_off = rows * code_stride
+
+    # rowwise: blocks 0..3 are the no-RoPE chunks, block 4 `left`, block 5 `right`
+    codes3, e3 = _quantize_rows(tl.reshape(nope, [BLOCK_M, 4, 32]), HW_CVT)
+    feat3 = tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    _store(row_codes + row_off[:, None, None] + feat3, codes3, t_ok[:, None, None], EVEN_T)
+    _store(row_scales + (rows * (H * 6))[:, None] + tl.arange(0, 4)[None, :], e3.to(tl.uint8), t_ok[:, None],
+           EVEN_T)
+    codes_l, e_l = _quantize_vec(left, HW_CVT)
+    _store(row_codes + row_off[:, None] + (NOPE + offs_h)[None, :], codes_l, t_ok[:, None], EVEN_T)
+    _store(row_scales + rows * (H * 6) + 4, e_l.to(tl.uint8), t_ok, EVEN_T)
+    codes_r, e_r = _quantize_vec(right, HW_CVT)
+    _store(row_codes + row_off[:, None] + (NOPE + HALF + offs_h)[None, :], codes_r, t_ok[:, None], EVEN_T)
+    _store(row_scales + rows * (H * 6) + 5, e_r.to(tl.uint8), t_ok, EVEN_T)
+
+    # columnwise: blocks of 32 tokens per feature
+    row_off3 = tl.reshape(row_off, [NB, 32])
     ok3 = tl.reshape(t_ok, [NB, 32])
-    ptrs = col_code_ptr + (tok3.to(tl.int64) * col_stride + head_off)[:, :, None] + feats[None, None, :]
-    tl.store(ptrs, codes, mask=ok3[:, :, None])
-    tl.store(col_scale_ptr + (col_blk.to(tl.int64) * col_stride + head_off)[:, None] + feats[None, :],
-             e.to(tl.uint8), mask=col_ok[:, None])
+    blk_off = tl.arange(0, NB) * code_stride
+    blk_ok = (pid_m * NB + tl.arange(0, NB)) < T // 32
+    codes, e = _quantize_cols(tl.reshape(nope, [NB, 32, NOPE]), HW_CVT)
+    feats = tl.arange(0, NOPE)
+    _store(col_codes + row_off3[:, :, None] + feats[None, None, :], codes, ok3[:, :, None], EVEN_T)
+    _store(col_scales + blk_off[:, None] + feats[None, :], e.to(tl.uint8), blk_ok[:, None], EVEN_T)
+    codes, e = _quantize_cols(tl.reshape(left, [NB, 32, HALF]), HW_CVT)
+    _store(col_codes + row_off3[:, :, None] + (NOPE + offs_h)[None, None, :], codes, ok3[:, :, None], EVEN_T)
+    _store(col_scales + blk_off[:, None] + (NOPE + offs_h)[None, :], e.to(tl.uint8), blk_ok[:, None], EVEN_T)
+    codes, e = _quantize_cols(tl.reshape(right, [NB, 32, HALF]), HW_CVT)
+    _store(col_codes + row_off3[:, :, None] + (NOPE + HALF + offs_h)[None, None, :], codes, ok3[:, :, None],
+           EVEN_T)
+    _store(col_scales + blk_off[:, None] + (NOPE + HALF + offs_h)[None, :], e.to(tl.uint8), blk_ok[:, None],
+           EVEN_T)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +218,7 @@ def _mla_q_fwd_kernel(
     stride_cos, stride_sin,
     MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROPE_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_T: tl.constexpr,
 ):
     HEAD: tl.constexpr = 192
     NOPE: tl.constexpr = 128
@@ -168,7 +226,6 @@ def _mla_q_fwd_kernel(
     pid = tl.program_id(0)
     pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
     tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t_ok = tok < T
     rows_t = tl.minimum(tok, T - 1)  # tail rows read real data; their 32-row blocks are never stored
     n_nope = head * HEAD + tl.arange(0, NOPE)
     n_rope = head * HEAD + NOPE + tl.arange(0, 2 * HALF)  # natural order (ROPE_SPLIT)
@@ -262,61 +319,110 @@ def _mla_q_fwd_kernel(
     # ---- epilogue: stage to bf16, RoPE in fp32 (no FMA), two MXFP8 quantizations ----
     nope = _stage_bf16(acc_nope, HW_CVT)
     if ROPE_SPLIT:
-        even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, HALF, 2]))
+        even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, 32, 2]))
     else:
         even = _stage_bf16(acc_even, HW_CVT)
         odd = _stage_bf16(acc_odd, HW_CVT)
-    offs_h = tl.arange(0, HALF)
-    cos_row = cos_ptr + rows_t.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
-    sin_row = sin_ptr + rows_t.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
-    cos_l = widen_f32(tl.load(cos_row))
-    cos_r = widen_f32(tl.load(cos_row + HALF))
-    sin_l = widen_f32(tl.load(sin_row))
-    sin_r = widen_f32(tl.load(sin_row + HALF))
-    left = even * cos_l - odd * sin_l  # out[k]      (k < 32)
-    right = odd * cos_r + even * sin_r  # out[32 + k]
-
-    code_stride = H * HEAD  # [T, H, 192] codes, contiguous
-    head_off = head * HEAD
-    row_base = tok.to(tl.int64) * code_stride + head_off
-    rs_base = tok.to(tl.int64) * (H * 6) + head * 6  # [T, H, 6] row scales
-
-    # rowwise: blocks 0..3 are the no-RoPE chunks, block 4 `left`, block 5 `right`
-    codes3, e3 = _quantize_rows(tl.reshape(nope, [BLOCK_M, 4, 32]), HW_CVT)
-    feat3 = tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
-    tl.store(row_code_ptr + row_base[:, None, None] + feat3, codes3, mask=t_ok[:, None, None])
-    tl.store(row_scale_ptr + rs_base[:, None] + tl.arange(0, 4)[None, :], e3.to(tl.uint8), mask=t_ok[:, None])
-    codes_l, e_l = _quantize_vec(left, HW_CVT)
-    tl.store(row_code_ptr + row_base[:, None] + NOPE + offs_h[None, :], codes_l, mask=t_ok[:, None])
-    tl.store(row_scale_ptr + rs_base + 4, e_l.to(tl.uint8), mask=t_ok)
-    codes_r, e_r = _quantize_vec(right, HW_CVT)
-    tl.store(row_code_ptr + row_base[:, None] + NOPE + HALF + offs_h[None, :], codes_r, mask=t_ok[:, None])
-    tl.store(row_scale_ptr + rs_base + 5, e_r.to(tl.uint8), mask=t_ok)
-
-    # columnwise: blocks of 32 tokens per feature
-    NB: tl.constexpr = BLOCK_M // 32
-    col_blk = pid_m * NB + tl.arange(0, NB)
-    col_ok = col_blk < T // 32
-    _store_both(nope, tok, t_ok, 0, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
-                code_stride, head_off, BLOCK_M, NOPE, HW_CVT)
-    _store_both(left, tok, t_ok, NOPE, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk, col_ok,
-                code_stride, head_off, BLOCK_M, HALF, HW_CVT)
-    _store_both(right, tok, t_ok, NOPE + HALF, row_base, row_code_ptr, col_code_ptr, col_scale_ptr, col_blk,
-                col_ok, code_stride, head_off, BLOCK_M, HALF, HW_CVT)
+    _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                         row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr, BLOCK_M, EVEN_T, HW_CVT)
 
 
-def _fwd_configs(mx: bool):
-    """bf16: BLOCK_M 128 x one head (192) x BLOCK_K 64 = 40 KB per stage (3-4 stages), 8 warps; both RoPE
-    de-interleave variants; 64-row tiles for small T. MX: fp8 tiles, 128-wide K steps (4 MX blocks)."""
-    cfgs = []
-    if not mx:
-        shapes = ((128, 64, 8, 3, False), (128, 64, 8, 4, False), (128, 64, 8, 3, True), (128, 64, 8, 4, True),
-                  (64, 64, 4, 4, False), (64, 128, 4, 3, True))
+@triton.jit
+def _mla_q_fwd_tma_kernel(
+    x_desc, wn_desc, wr_desc, xs_ptr, ws_ptr, cos_ptr, sin_ptr,
+    row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
+    T, K, H, T_BUCKET,
+    stride_xs_row, stride_xs_col, stride_ws_row, stride_ws_col, xs_col_groups, ws_col_groups,
+    stride_cos, stride_sin,
+    MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_T: tl.constexpr,
+):
+    """The same op with TMA tile loads (Hopper tensor descriptors): x [BM, BK], the head's no-RoPE rows
+    [128, BK] and RoPE rows [64, BK] (natural order, split in registers as ROPE_SPLIT). TMA zero-fills
+    rows past T and columns past K, so the loop has no masks and no clamped addresses, and the copies
+    use no registers (the pointer kernel holds 64-bit addresses for every cp.async)."""
+    HEAD: tl.constexpr = 192
+    NOPE: tl.constexpr = 128
+    pid = tl.program_id(0)
+    pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    n0 = head * HEAD
+    acc_nope = tl.zeros((BLOCK_M, NOPE), dtype=tl.float32)
+    acc_rope = tl.zeros((BLOCK_M, HEAD - NOPE), dtype=tl.float32)
+    if MX:
+        rows_t = tl.minimum(m0 + tl.arange(0, BLOCK_M), T - 1)
+        n_nope = n0 + tl.arange(0, NOPE)
+        n_rope = n0 + NOPE + tl.arange(0, HEAD - NOPE)
+        for k0 in range(0, K, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                kk = k0 + j * 32
+                kb = kk // 32
+                a = x_desc.load([m0, kk])  # [BM, 32] fp8, one MX block
+                wn = wn_desc.load([n0, kk])
+                wr = wr_desc.load([n0 + NOPE, kk])
+                sx = scale_value(tl.load(xs_ptr + scale_offsets(rows_t, kb, stride_xs_row, stride_xs_col,
+                                                                xs_col_groups, XS_SWIZZLED),
+                                         mask=(rows_t * 0 + kk) < K, other=127).to(tl.int32))
+                swn = scale_value(tl.load(ws_ptr + scale_offsets(n_nope, kb, stride_ws_row, stride_ws_col,
+                                                                 ws_col_groups, WS_SWIZZLED),
+                                          mask=(n_nope * 0 + kk) < K, other=127).to(tl.int32))
+                swr = scale_value(tl.load(ws_ptr + scale_offsets(n_rope, kb, stride_ws_row, stride_ws_col,
+                                                                 ws_col_groups, WS_SWIZZLED),
+                                          mask=(n_rope * 0 + kk) < K, other=127).to(tl.int32))
+                acc_nope = tl.fma(tl.dot(a, tl.trans(wn)), sx[:, None] * swn[None, :], acc_nope)
+                acc_rope = tl.fma(tl.dot(a, tl.trans(wr)), sx[:, None] * swr[None, :], acc_rope)
     else:
-        shapes = ((128, 128, 8, 3, False), (128, 128, 8, 4, True), (128, 64, 8, 4, False), (64, 128, 4, 4, True))
-    for bm, bk, warps, stages, split in shapes:
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8, "ROPE_SPLIT": split},
-                                  num_warps=warps, num_stages=stages))
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([m0, k0])
+            wn = wn_desc.load([n0, k0])
+            wr = wr_desc.load([n0 + NOPE, k0])
+            acc_nope = _dot(a, tl.trans(wn), acc_nope, DOT_F32)
+            acc_rope = _dot(a, tl.trans(wr), acc_rope, DOT_F32)
+
+    nope = _stage_bf16(acc_nope, HW_CVT)
+    even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, 32, 2]))
+    _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                         row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr, BLOCK_M, EVEN_T, HW_CVT)
+
+
+def _tma_block_hook(nargs):
+    """Autotune pre-hook: a TensorDescriptor's box is part of the argument, so set it per config."""
+    bk = 32 if nargs["MX"] else nargs["BLOCK_K"]
+    nargs["x_desc"].block_shape = [nargs["BLOCK_M"], bk]
+    nargs["wn_desc"].block_shape = [_NOPE, bk]
+    nargs["wr_desc"].block_shape = [_HEAD - _NOPE, bk]
+
+
+def _fwd_configs(mx: bool, tma: bool = False):
+    """Autotune candidates (BLOCK_M, BLOCK_K, warps, stages, ROPE_SPLIT, maxnreg).
+
+    bf16, one CTA per SM: 128 tokens x one head (192) x BLOCK_K 64 = 40 KB per stage, 3-4 stages,
+    8 warps (two warpgroups of 64 rows); the epilogue (~3k instructions per thread, mostly the
+    cross-lane amax reductions and per-block scale bytes) then runs while the tensor cores idle.
+    bf16, two CTAs per SM: maxnreg=128 and <= 82 KB of shared memory (BLOCK_K 32 x 4 stages or
+    64 x 2) let two programs share an SM, so one program's epilogue overlaps the other's main loop;
+    the main loop keeps its accumulators in registers (96 per thread), only the epilogue spills.
+    Small T: 64-row tiles, 4 warps. MX (fp8 operands, a dot per 32-wide K block): per-block partial
+    accumulators raise register pressure, so 32/64-wide K steps.
+    """
+    if tma:
+        shapes = ((128, 64, 8, 3, True, None), (128, 64, 8, 4, True, None), (128, 32, 8, 4, True, 128),
+                  (128, 64, 8, 2, True, 128), (64, 64, 4, 4, True, None))
+        if mx:
+            shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, True, None), (64, 64, 4, 4, True, None))
+    elif not mx:
+        shapes = ((128, 64, 8, 3, False, None), (128, 64, 8, 3, True, None), (128, 64, 8, 4, True, None),
+                  (128, 32, 8, 4, True, 128), (64, 64, 4, 4, False, None))
+    else:
+        shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, False, None), (64, 64, 4, 4, False, None))
+    cfgs = []
+    for bm, bk, warps, stages, split, maxnreg in shapes:
+        meta = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}
+        if not tma:
+            meta["ROPE_SPLIT"] = split
+        cfgs.append(triton.Config(meta, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
+                                  pre_hook=_tma_block_hook if tma else None))
     return cfgs
 
 
@@ -324,12 +430,19 @@ def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
 
 
+def _even_t(args):
+    return args["T"] % args["BLOCK_M"] == 0
+
+
+_HEURISTICS = {"EVEN_K": _even_k, "EVEN_T": _even_t}
 _FWD_KEY = ["T_BUCKET", "K", "H", "MX", "XS_SWIZZLED", "WS_SWIZZLED"]
-_fwd_fixed = triton.heuristics({"EVEN_K": _even_k})(_mla_q_fwd_kernel)
-_fwd_tuned_bf16 = triton.autotune(configs=_fwd_configs(False), key=_FWD_KEY)(_fwd_fixed)
-_fwd_tuned_mx = triton.autotune(configs=_fwd_configs(True), key=_FWD_KEY)(_fwd_fixed)
-_FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, ROPE_SPLIT=False, num_warps=8, num_stages=3),
-                True: dict(BLOCK_M=128, BLOCK_K=128, GROUP_M=8, ROPE_SPLIT=False, num_warps=8, num_stages=3)}
+_fwd_fixed = triton.heuristics(_HEURISTICS)(_mla_q_fwd_kernel)
+_fwd_tma_fixed = triton.heuristics({"EVEN_T": _even_t})(_mla_q_fwd_tma_kernel)
+_fwd_tuned = {mx: triton.autotune(configs=_fwd_configs(mx), key=_FWD_KEY)(_fwd_fixed) for mx in (False, True)}
+_fwd_tma_tuned = {mx: triton.autotune(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY)(_fwd_tma_fixed)
+                  for mx in (False, True)}
+_FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=4, maxnreg=128),
+                True: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=6)}
 
 
 def _interpret_config(**overrides):
@@ -358,9 +471,31 @@ def _scale_args(t: MXTensor):
     return t.scale, t.scale.stride(0), t.scale.stride(1), 0, False
 
 
-def mla_q_forward_launch(x, w, cos, sin, config=None):
-    """Run the fused forward; `config` (dict of BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT, num_warps,
-    num_stages) bypasses autotuning (tests and benchmarks use it to pin a variant)."""
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor a TMA descriptor can address: unit last stride, 16-byte aligned base and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def forward_variant(x, w) -> str:
+    """"tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (tma | pointer | auto, default auto) decides;
+    auto takes TMA on sm90+ when both operands qualify (the interpreter runs either when asked)."""
+    choice = os.environ.get("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
+    xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
+    ok = _tma_ok(xd) and _tma_ok(wd)
+    if choice == "pointer" or not ok:
+        return "pointer"
+    if choice == "tma":
+        return "tma"
+    if interpret_mode() or xd.device.type != "cuda":
+        return "pointer"
+    return "tma" if torch.cuda.get_device_capability(xd.device) >= (9, 0) else "pointer"
+
+
+def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None):
+    """Run the fused forward. `variant` "tma" | "pointer" (default: forward_variant); `config` (dict of
+    BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT (pointer only), num_warps, num_stages) bypasses autotuning
+    (tests and benchmarks use it to pin a variant)."""
     mx = isinstance(x, MXTensor)
     xd, wd = (x.data, w.data) if mx else (x, w)
     tokens, k = xd.shape
@@ -372,8 +507,12 @@ def mla_q_forward_launch(x, w, cos, sin, config=None):
     col_scale = torch.empty((tokens // 32, heads, _HEAD), dtype=torch.uint8, device=device)
     q_row = MXTensor(row_codes, row_scale, 2, "e4m3", "compact")
     q_col = MXTensor(col_codes, col_scale, 0, "e4m3", "compact")
-    if tokens == 0 or heads == 0:
+    if tokens == 0 or heads == 0 or k == 0:
+        if tokens and heads:  # K = 0: q = 0 everywhere
+            for t in (row_codes, col_codes, row_scale, col_scale):
+                t.view(torch.uint8).zero_()
         return q_row, q_col
+    variant = variant or forward_variant(x, w)
     cos, sin = _unit_last(cos), _unit_last(sin)
     if mx:
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)
@@ -382,22 +521,38 @@ def mla_q_forward_launch(x, w, cos, sin, config=None):
         dummy = torch.zeros(1, dtype=torch.uint8, device=device)
         xs, sxr, sxc, x_groups, x_swz = dummy, 0, 0, 0, False
         ws, swr, swc, w_groups, w_swz = dummy, 0, 0, 0, False
-    args = (xd, wd, xs, ws, cos, sin,
-            row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8), col_scale,
-            tokens, k, heads, m_bucket(tokens),
-            xd.stride(0), xd.stride(1), wd.stride(0), wd.stride(1),
-            sxr, sxc, swr, swc, x_groups, w_groups, cos.stride(0), sin.stride(0))
+    outs = (row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8), col_scale)
+    tail = (sxr, sxc, swr, swc, x_groups, w_groups, cos.stride(0), sin.stride(0))
     meta = dict(MX=mx, XS_SWIZZLED=x_swz, WS_SWIZZLED=w_swz, HW_CVT=_hw_cvt(device), DOT_F32=interpret_mode())
     if interpret_mode() and config is None:
         config = _interpret_config()
     if config is None and not _autotune_enabled():
-        config = _FWD_DEFAULT[mx]
+        config = dict(_FWD_DEFAULT[mx])
+    if variant == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bk = 32 if mx else (config["BLOCK_K"] if config else 64)  # boxes are reset per config by the hook
+        bm = config["BLOCK_M"] if config else 128
+        x_desc = TensorDescriptor(xd, list(xd.shape), list(xd.stride()), [bm, bk])
+        wn_desc = TensorDescriptor(wd, list(wd.shape), list(wd.stride()), [_NOPE, bk])
+        wr_desc = TensorDescriptor(wd, list(wd.shape), list(wd.stride()), [_HEAD - _NOPE, bk])
+        args = (x_desc, wn_desc, wr_desc, xs, ws, cos, sin, *outs, tokens, k, heads, m_bucket(tokens), *tail)
+        if config is not None:
+            config = {key: v for key, v in config.items() if key != "ROPE_SPLIT"}
+            grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
+            _fwd_tma_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
+        else:
+            grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
+            _fwd_tma_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
+        return q_row, q_col
+    args = (xd, wd, xs, ws, cos, sin, *outs, tokens, k, heads, m_bucket(tokens),
+            xd.stride(0), xd.stride(1), wd.stride(0), wd.stride(1), *tail)
     if config is not None:
         grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
         _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
     else:
         grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
-        (_fwd_tuned_mx if mx else _fwd_tuned_bf16)[grid](*args, **meta, enable_fp_fusion=False)
+        _fwd_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
     return q_row, q_col
 
 
