@@ -906,3 +906,271 @@ def test_rope_is_not_registered_for_cudnn():
     assert "cudnn" not in registry.implementations("mla_q_uproj_rope_quant_backward")
     assert registry.implementations("mla_attention")["cudnn"].fn is att.mla_attention
     assert registry.implementations("mla_q_uproj_rope_quant")["cudnn"].fn is mq.mla_q_uproj_rope_quant
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end with an emulated library: the fake graph computes attention from what it was told
+# --------------------------------------------------------------------------------------------------
+# The emulator reads every operand through its declaration only (dims, strides, ragged offsets,
+# F8_128x4 scale tensors, sequence lengths, mask attributes), computes in fp32 as a kernel would,
+# and writes outputs through their declarations. Rows a kernel leaves undefined get NaN (o) and
+# NaN (Stats), so the backend's own handling of fully masked rows is what the spec comparison sees.
+# Running the conformance cases of tests/conformance/test_attention.py through it checks the
+# backend's plumbing end to end on CPU; cuDNN's arithmetic itself is checked only on the GPU.
+
+from spec.swizzle import unswizzle_matrix  # noqa: E402
+
+
+def _e8m0_value(e: np.ndarray) -> np.ndarray:
+    e = e.astype(np.int64)
+    out = np.where(e == 0, 2.0 ** -127, np.exp2((e - 127).astype(np.float64)))
+    return np.where(e == 255, np.nan, out)
+
+
+class Emulator:
+    def __init__(self):
+        self.calls = 0
+        self.quantized_do = True  # MXFP8 backward: dP and dV from the e4m3 dO / dO_T, as cuDNN does
+
+    def __call__(self, graph, pack):
+        self.calls += 1
+        name, args, kw, outs = graph.ops[0]
+        self._check_limits(kw, args[0], args[2] if name == "sdpa_mxfp8_backward" else args[1])
+        getattr(self, name)(graph, pack, args, kw, outs)
+
+    # ---- reading and writing through declarations
+    @staticmethod
+    def _lens(pack, kw, key, decl):
+        t = kw.get(key)
+        if t is None:
+            return [decl["dim"][2]] * decl["dim"][0]
+        return pack[t["uid"]].flatten().tolist()
+
+    @staticmethod
+    def _views(buf, decl, pack, lens):
+        """Per batch b, the [H, len_b, D] view a kernel reads (ragged offsets in elements)."""
+        dims, strides = decl["dim"], decl["stride"]
+        rag = decl.attrs.get("ragged_offset")
+        offs = pack[rag["uid"]].flatten().tolist() if rag is not None else [b * strides[0] for b in range(dims[0])]
+        return [torch.as_strided(buf, (dims[1], n, dims[3]), (strides[1], strides[2], strides[3]),
+                                 buf.storage_offset() + off) for n, off in zip(lens, offs)]
+
+    def _read(self, graph, pack, decl, lens, scale_decl=None):
+        views = self._views(pack[decl["uid"]], decl, pack, lens)
+        vals = [v.float() for v in views]
+        if scale_decl is not None:
+            vals = [x * s for x, s in zip(vals, self._scales(pack, scale_decl, lens, decl["dim"][3]))]
+        return vals
+
+    @staticmethod
+    def _scales(pack, sdecl, lens, d):
+        """Per batch [H, len, D] fp32 scale multipliers from an F8_128x4 E8M0 tensor."""
+        buf = pack[sdecl["uid"]]
+        raw = buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
+        flat = torch.as_strided(raw, (raw.numel(),), (1,), 0) if raw.is_contiguous() else None
+        dims, strides = sdecl["dim"], sdecl["stride"]
+        if flat is None:  # a strided view of a packed buffer: recover the buffer
+            flat = raw.transpose(2, 3).contiguous().view(-1)
+        flat = flat.numpy()
+        by_rows_d = strides[2] == 1  # v-role: rows = D (dim 3), cols = S/32 (dim 2)
+        rows, cols = (dims[3], dims[2]) if by_rows_d else (dims[2], dims[3])
+        out = []
+        for b, n in enumerate(lens):
+            per_head = []
+            for h in range(dims[1]):
+                base = b * strides[0] + h * strides[1]
+                m = unswizzle_matrix(flat[base:base + rows * cols], rows, cols)
+                m = m.T if by_rows_d else m  # -> [S or S/32, D/32 or D]
+                if by_rows_d:
+                    m = np.repeat(m[: n // 32, :d], 32, axis=0)
+                else:
+                    m = np.repeat(m[:n, : d // 32], 32, axis=1)
+                per_head.append(_e8m0_value(m))
+            out.append(torch.from_numpy(np.stack(per_head)).float())
+        return out
+
+    def _write(self, pack, decl, lens, values, dtype):
+        for view, val in zip(self._views(pack[decl["uid"]], decl, pack, lens), values):
+            view.copy_(val.to(dtype))
+
+    @staticmethod
+    def _check_limits(kw, q_decl, k_decl):
+        """Limits cuDNN states (frontend validation strings), so the backend must steer around them."""
+        br = kw.get("use_causal_mask_bottom_right") or kw.get("diagonal_alignment") == "BOTTOM_RIGHT"
+        s_q, s_kv = q_decl["dim"][2], k_decl["dim"][2]
+        if br and not kw.get("use_padding_mask") and s_q > s_kv:
+            raise RuntimeError("Bottom right causal mask does not support s_q > s_kv")
+        if br and q_decl["data_type"] == "FP8_E4M3" and (s_q % 64 or s_kv % 64):
+            raise RuntimeError("Bottom right causal mask is only supported with s_q, s_kv multiples of 64")
+
+    @staticmethod
+    def _mask(kw, n_q, n_kv):
+        causal = kw.get("use_causal_mask") or kw.get("use_causal_mask_bottom_right") or (
+            kw.get("diagonal_band_right_bound") == 0)
+        if not causal:
+            return torch.zeros(n_q, n_kv, dtype=torch.bool)
+        br = kw.get("use_causal_mask_bottom_right") or kw.get("diagonal_alignment") == "BOTTOM_RIGHT"
+        i = torch.arange(n_q)[:, None]
+        j = torch.arange(n_kv)[None, :]
+        return j > i + ((n_kv - n_q) if br else 0)
+
+    # ---- ops
+    def _fwd(self, q, k, v, kw, lq, lkv):
+        o_all, lse_all = [], []
+        for qb, kb, vb, nq, nkv in zip(q, k, v, lq, lkv):
+            s = torch.matmul(qb, kb.transpose(-1, -2)) * kw["attn_scale"]
+            s = s.masked_fill(self._mask(kw, nq, nkv), float("-inf"))
+            m = s.amax(-1, keepdim=True) if nkv else torch.full(s.shape[:-1] + (1,), float("-inf"))
+            p = torch.exp(s - m)  # fully masked rows: exp(-inf + inf) = NaN, left as a kernel might
+            l = p.sum(-1, keepdim=True)
+            o_all.append(torch.matmul(p, vb) / l)
+            lse_all.append((m + torch.log(l))[..., 0])
+        return o_all, lse_all
+
+    def _write_stats(self, pack, decl, lse_all):
+        buf = pack[decl["uid"]]
+        d, st = decl["dim"], decl["stride"]
+        full = torch.as_strided(buf, d, st, buf.storage_offset())
+        full.fill_(float("nan"))  # padding rows of a padded Stats: never to be read
+        for b, lse in enumerate(lse_all):
+            full[b, :, : lse.shape[1], 0] = lse
+
+    def sdpa(self, graph, pack, args, kw, outs):
+        q, k, v = args
+        lq, lkv = self._lens(pack, kw, "seq_len_q", q), self._lens(pack, kw, "seq_len_kv", k)
+        o_all, lse_all = self._fwd(self._read(graph, pack, q, lq), self._read(graph, pack, k, lkv),
+                                   self._read(graph, pack, v, lkv), kw, lq, lkv)
+        self._write(pack, outs[0], lq, o_all, torch.bfloat16)
+        self._write_stats(pack, outs[1], lse_all)
+
+    def sdpa_mxfp8(self, graph, pack, args, kw, outs):
+        q, k, v, sq, sk, sv = args
+        lq, lkv = [q["dim"][2]] * q["dim"][0], [k["dim"][2]] * k["dim"][0]
+        o_all, lse_all = self._fwd(self._read(graph, pack, q, lq, sq), self._read(graph, pack, k, lkv, sk),
+                                   self._read(graph, pack, v, lkv, sv), kw, lq, lkv)
+        self._write(pack, outs[0], lq, o_all, torch.bfloat16)
+        self._write_stats(pack, outs[1], lse_all)
+        pack[outs[2]["uid"]].fill_(max(float(o.abs().max()) for o in o_all))
+
+    def _bwd(self, q, k, v, o, do, lse, kw, lq, lkv, q_t=None, k_t=None, do_t=None, o16=None, do16=None):
+        if do16 is not None and not self.quantized_do:
+            do, do_t = do16, do16
+        grads = ([], [], [])
+        for b, (nq, nkv) in enumerate(zip(lq, lkv)):
+            s = torch.matmul(q[b], k[b].transpose(-1, -2)) * kw["attn_scale"]
+            s = s.masked_fill(self._mask(kw, nq, nkv), float("-inf"))
+            p = torch.exp(s - lse[b][..., None])
+            d = ((o16 or o)[b] * (do16 or do)[b]).sum(-1, keepdim=True)
+            ds = p * (torch.matmul(do[b], v[b].transpose(-1, -2)) - d)
+            grads[0].append(torch.matmul(ds, (k_t or k)[b]) * kw["attn_scale"])
+            grads[1].append(torch.matmul(ds.transpose(-1, -2), (q_t or q)[b]) * kw["attn_scale"])
+            grads[2].append(torch.matmul(p.transpose(-1, -2), (do_t or do)[b]))
+        return grads
+
+    def _read_stats(self, pack, decl, lq):
+        buf = pack[decl["uid"]]
+        full = torch.as_strided(buf, decl["dim"], decl["stride"], buf.storage_offset())
+        return [full[b, :, :n, 0].float() for b, n in enumerate(lq)]
+
+    def sdpa_backward(self, graph, pack, args, kw, outs):
+        q, k, v, o, do, stats = args
+        lq, lkv = self._lens(pack, kw, "seq_len_q", q), self._lens(pack, kw, "seq_len_kv", k)
+        r = lambda decl, lens: self._read(graph, pack, decl, lens)  # noqa: E731
+        grads = self._bwd(r(q, lq), r(k, lkv), r(v, lkv), r(o, lq), r(do, lq), self._read_stats(pack, stats, lq),
+                          kw, lq, lkv)
+        for out, lens, g in zip(outs, (lq, lkv, lkv), grads):
+            self._write(pack, out, lens, g, torch.bfloat16)
+
+    def sdpa_mxfp8_backward(self, graph, pack, args, kw, outs):
+        (q, q_t, k, k_t, v, o16, do16, do, do_t, stats, sq, sq_t, sk, sk_t, sv, sdo, sdo_t) = args
+        lq, lkv = [q["dim"][2]] * q["dim"][0], [k["dim"][2]] * k["dim"][0]
+        r = lambda decl, lens, s=None: self._read(graph, pack, decl, lens, s)  # noqa: E731
+        grads = self._bwd(r(q, lq, sq), r(k, lkv, sk), r(v, lkv, sv), None, r(do, lq, sdo),
+                          self._read_stats(pack, stats, lq), kw, lq, lkv, q_t=r(q_t, lq, sq_t),
+                          k_t=r(k_t, lkv, sk_t), do_t=r(do_t, lq, sdo_t), o16=r(o16, lq), do16=r(do16, lq))
+        for out, lens, g in zip(outs[:3], (lq, lkv, lkv), grads):
+            self._write(pack, out, lens, g, torch.bfloat16)
+        for out in outs[3:]:
+            pack[out["uid"]].fill_(1.0)
+
+
+@pytest.fixture
+def emulated(fake, monkeypatch):
+    """The fake frontend computing attention, and the cudnn backend marked available to the dispatcher."""
+    import dispatch
+
+    emu = Emulator()
+    FakeGraph.on_execute = emu
+    monkeypatch.setitem(registry._backends, "cudnn", registry.BackendInfo("cudnn", True, "fake"))
+    dispatch.clear_cache()
+    yield emu
+    dispatch.clear_cache()
+
+
+def _cpu_target():
+    return ("cudnn", "cpu")
+
+
+def test_emulated_conformance_bf16(emulated):
+    """Every bf16 case of tests/conformance/test_attention.py, forward and backward, through the
+    dispatcher and the emulated library, against spec with the SEMANTICS 8 bounds."""
+    from tests.conformance import test_attention as conf
+
+    for case in conf.CASES:
+        emulated.calls = 0
+        conf.test_forward_bf16(_cpu_target(), case)
+        conf.test_backward_bf16(_cpu_target(), case)
+        assert emulated.calls == 2, case[0]
+    conf.test_forward_softmax_scale(_cpu_target())
+    for causal in (False, True):
+        conf.test_varlen_thd(_cpu_target(), causal)
+
+
+def test_emulated_strided_sbhd_views(emulated):
+    from tests.conformance import test_attention as conf
+
+    q, k, v, do = conf.make_inputs(11, 2, 96, 128, 4, "sbhd")
+    want = spec.mla_attention(q, k, v, causal=True, layout="sbhd")
+    kv = torch.cat([to_torch(k), to_torch(v)], dim=-1)  # k and v as slices of one fused tensor
+    got = att.mla_attention(to_torch(q), kv[..., :192], kv[..., 192:], causal=True, layout="sbhd")
+    conf.check_forward(got, want, conf.BF16_BOUND, "strided sbhd", "sbhd")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("s_q,s_kv,causal", [(64, 64, True), (96, 128, False), (192, 128, True), (128, 192, True)])
+def test_emulated_mxfp8(emulated, layout, s_q, s_kv, causal):
+    """MXFP8 forward and backward through the emulated library against spec.
+
+    Forward: the SEMANTICS 8 MXFP8 bound, 5e-2 (the emulator does not quantize P; cuDNN does).
+    Backward, with dP and dV computed from the bf16 do: <= 1e-3. This isolates what this backend adds
+    -- the plumbing and the re-quantization of q, k along S and v along D, which turns out nearly
+    lossless (an e4m3 value re-blocked keeps its 3 mantissa bits unless it drops into e4m3
+    subnormals). Backward as cuDNN computes it (dO quantized to e4m3 along D and S, which the API
+    requires): printed, and held to 0.15 only. On these sharp-softmax inputs (q up to x8) the dO
+    quantization alone gives dk errors up to ~1e-1 -- above SEMANTICS' 5e-2, whatever the backend
+    does; the real kernel also quantizes P and dS, so expect at least this on sm100."""
+    from tests.conformance import test_attention as conf
+
+    q, k, v, do = conf.make_inputs(12, 2, s_q, s_kv, 4, layout)
+    q_mx, k_mx, v_mx = conf.quantize_inputs(q, k, v, layout)
+    kw = dict(causal=causal, layout=layout)
+    want = spec.mla_attention(q_mx, k_mx, v_mx, **kw)
+    mx = to_torch([q_mx, k_mx, v_mx])
+    got = run_dispatch("mla_attention", *mx, **kw)
+    conf.check_forward(got, want, conf.MX_BOUND, f"mxfp8 {layout}", layout)
+    want_g = spec.mla_attention_backward(do, q_mx, k_mx, v_mx, *want, **kw)
+    errs = {}
+    for quantized_do, bound in ((False, 1e-3), (True, 0.15)):
+        emulated.quantized_do = quantized_do
+        got_g = run_dispatch("mla_attention_backward", to_torch(do), *mx, *to_torch(list(want)), **kw)
+        errs[quantized_do] = [conf.rel_fro(g, w) for g, w in zip(got_g, want_g)]
+        conf.check_backward(got_g, want_g, bound, f"mxfp8 {layout} quantized_do={quantized_do}")
+    print(f"\nemulated MXFP8 backward ({layout}, S_q {s_q}, S_kv {s_kv}, causal {causal}) dq/dk/dv: "
+          f"bf16 dO {' '.join(f'{e:.1e}' for e in errs[False])}; "
+          f"e4m3 dO {' '.join(f'{e:.1e}' for e in errs[True])} (SEMANTICS bound 5e-2)")
+
+
+def run_dispatch(op, *args, **kwargs):
+    import dispatch
+
+    return dispatch.run(op, *args, backend="cudnn", **kwargs)
