@@ -572,11 +572,15 @@ def test_dequantize_bad_inputs():
 
 
 def test_speed_4096x7168_rowwise_and_columnwise():
+    # Measured as this process's CPU time, best of three: the spec runs single-threaded NumPy, and on
+    # the shared 2-core box wall time mostly measures the neighbours' load. On an idle machine the two
+    # agree (about 0.6 s here).
     x = np.random.default_rng(0).standard_normal((4096, 7168)).astype(np.float32)
-    best = float("inf")
-    for _ in range(3):  # best of three: other jobs share the machine
-        t0 = time.perf_counter()
+    best_cpu = best_wall = float("inf")
+    for _ in range(3):
+        c0, w0 = time.process_time(), time.perf_counter()
         mxfp8_quantize(x, axis=-1)
         mxfp8_quantize(x, axis=0)
-        best = min(best, time.perf_counter() - t0)
-    assert best < 2.0, f"rowwise + columnwise took {best:.2f} s"
+        best_cpu = min(best_cpu, time.process_time() - c0)
+        best_wall = min(best_wall, time.perf_counter() - w0)
+    assert best_cpu < 2.0, f"rowwise + columnwise took {best_cpu:.2f} s CPU ({best_wall:.2f} s wall)"
