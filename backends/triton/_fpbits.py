@@ -25,12 +25,15 @@ def widen_f32(v):
 @triton.jit
 def round_f32(v, OUT_DTYPE: tl.constexpr):
     """One round-to-nearest-even of fp32 v into OUT_DTYPE (fp32: unchanged). NaN lanes come out as
-    some NaN of OUT_DTYPE; callers that need canonical NaN bits select them afterwards."""
+    a quiet NaN of OUT_DTYPE with v's sign (bf16: the top half of v's bits with the quiet bit set);
+    callers that need canonical NaN bits use round_f32_canonical_nan."""
     if OUT_DTYPE == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
         # Add half an ulp of bf16 minus one, plus the bit that decides ties to even; the carry may
-        # bump the exponent (and overflow to Inf), exactly as RN does. NaN is fixed up by callers.
+        # bump the exponent (and overflow to Inf), exactly as RN does. A NaN's carry could reach the
+        # sign or wrap (0x7FFFFFFF -> -0), so NaN lanes keep their top half, made quiet.
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, (bits >> 16) | 0x40, rounded)
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif OUT_DTYPE == tl.float16:
         return v.to(tl.float16)
