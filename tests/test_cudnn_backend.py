@@ -14,7 +14,6 @@ import sys
 import time
 import types
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -34,9 +33,11 @@ from backends.cudnn import mla_q as mq  # noqa: E402
 # --------------------------------------------------------------------------------------------------
 
 class _Enum:
+    """An enum namespace whose members are their own names (so recorded calls read plainly)."""
+
     def __init__(self, *names):
         for n in names:
-            setattr(self, n, f"{type(self).__name__}.{n}" if False else n)
+            setattr(self, n, n)
 
 
 class FakeTensor:

@@ -45,7 +45,7 @@ caching allocator on the current stream, and the handle runs on torch's current 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 

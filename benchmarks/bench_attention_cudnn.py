@@ -1,0 +1,323 @@
+"""The cuDNN backend's MLA attention (graph SDPA) against torch's own cuDNN SDPA, plus host overhead.
+
+    python benchmarks/bench_attention_cudnn.py [--quick] [--json PATH]      # on the GPU
+
+Device rows (op fwd / bwd): backends.cudnn.attention on bf16 bshd inputs vs
+torch.nn.functional.scaled_dot_product_attention under sdpa_kernel(SDPBackend.CUDNN_ATTENTION) on
+[B, H, S, D] views of the same tensors (backward: torch.autograd.grad of that output, graph kept).
+Target: within 5 % of torch's time (ratio = torch ms / ours ms >= 0.95). If torch refuses
+d_qk 192 with d_v 128, it is retried with v zero-padded to 192 ("v->192": more work than ours, noted).
+Shapes: B=1 S=4096 H=128 causal (--quick: only this), plus non-causal, S=8192 causal and thd 2x2048.
+Times: medians of triton.testing.do_bench(warmup=25, rep=100) (CUDA events when triton is absent).
+FLOPs: forward 2*B*H*S_q*S_kv*(192+128), backward 2*B*H*S_q*S_kv*(3*192+2*128), causal half.
+err: relative Frobenius error of our o / gradients against torch's (a fast wrong result shows).
+
+Host rows (op host): a graph-cache hit's host time per call, GPU work excluded: after a warm-up and
+a sync, N calls are enqueued and timed with perf_counter around the enqueue loop only (N small
+enough that CUDA's launch queue never fills). Measured for the whole call, for this backend's share
+alone (graph.execute replaced by a no-op), and through dispatch.run, for both operand binding modes
+(attention.BIND "view" and "ptr"); budget 20 us (ratio = 20 / us). Also noted: first-call (graph
+build) time, and the plan cuDNN picked.
+
+MXFP8 rows run only where the backend accepts MXFP8 (compute capability 10.x, cuDNN >= 9.21);
+elsewhere the capability reasons are printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+D_QK, D_V = 192, 128
+HOST_BUDGET_US = 20.0
+DEVICE_TARGET = 0.95
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only B=1 S=4096 H=128 causal (+ host overhead)")
+    ap.add_argument("--json", help="write the rows (a list of dicts) here")
+    return ap.parse_args()
+
+
+def bench_ms(fn) -> float:
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    except ImportError:
+        for _ in range(5):
+            fn()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return sorted(times)[len(times) // 2]
+
+
+def first_call_s(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+def flops(b, s_q, s_kv, h, causal, op):
+    pairs = b * h * s_q * s_kv * (0.5 if causal else 1.0)
+    return pairs * (2 * (D_QK + D_V) if op == "fwd" else 2 * (3 * D_QK + 2 * D_V))
+
+
+def make_inputs(b, s, h, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = ((b, s, h, D_QK), (b, s, h, D_QK), (b, s, h, D_V), (b, s, h, D_V))
+    return [torch.randn(*sh, device="cuda", generator=g).to(torch.bfloat16) for sh in shapes]
+
+
+# --------------------------------------------------------------------------------------------------
+# torch's cuDNN SDPA
+# --------------------------------------------------------------------------------------------------
+
+def torch_cudnn_sdpa(q, k, v, causal, scale, pad_v):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if pad_v:
+        vt = F.pad(vt, (0, D_QK - D_V))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale)
+    return o[..., :D_V] if pad_v else o
+
+
+def torch_baseline(q, k, v, do, causal, scale, notes, shape):
+    """{'fwd': (ms, o bshd), 'bwd': (ms, grads), 'label': ...} or {} when torch refuses."""
+    for pad_v in (False, True):
+        label = "torch sdpa cudnn" + (" v->192" if pad_v else "")
+        try:
+            o = torch_cudnn_sdpa(q, k, v, causal, scale, pad_v)
+            fwd_ms = bench_ms(lambda: torch_cudnn_sdpa(q, k, v, causal, scale, pad_v))
+        except Exception as exc:  # noqa: BLE001 - a refusal is a result
+            notes.append(f"{label} {shape}: not accepted ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            continue
+        out = {"label": label, "fwd": (fwd_ms, o.transpose(1, 2))}
+        try:
+            qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            og = torch_cudnn_sdpa(qg, kg, vg, causal, scale, pad_v)
+            dot = do.transpose(1, 2)
+            grads = torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True)
+            bwd_ms = bench_ms(lambda: torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True))
+            out["bwd"] = (bwd_ms, grads)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"{label} bwd {shape}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        return out
+    return {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Host overhead of a cache hit
+# --------------------------------------------------------------------------------------------------
+
+def host_us(fn, calls=100, repeats=7) -> float:
+    """Best per-call enqueue time over `repeats` loops of `calls` calls (GPU work not waited for)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def host_rows(att, rows, notes, b, s, h, causal, calls):
+    import dispatch
+
+    q, k, v, do = make_inputs(b, s, h, seed=1)
+    shape = f"B{b} S{s} H{h}{' causal' if causal else ''}"
+    o, lse = att.mla_attention(q, k, v, causal=causal)
+    cases = {
+        "fwd": (lambda: att.mla_attention(q, k, v, causal=causal),
+                lambda: dispatch.run("mla_attention", q, k, v, causal=causal, backend="cudnn")),
+        "bwd": (lambda: att.mla_attention_backward(do, q, k, v, o, lse, causal=causal),
+                lambda: dispatch.run("mla_attention_backward", do, q, k, v, o, lse, causal=causal, backend="cudnn")),
+    }
+    saved_bind = att.BIND
+    try:
+        for mode in ("view", "ptr"):
+            att.BIND = mode
+            for direction, (direct, routed) in cases.items():
+                built = att.build_count
+                whole = host_us(direct, calls)
+                via_dispatch = host_us(routed, calls)
+                assert att.build_count == built, "cache hit rebuilt a graph"
+                entries = list(att._graphs.values())
+                real = [e.graph.execute for e in entries]
+                for e in entries:  # this backend's share alone: the library call made a no-op
+                    e.graph.execute = lambda *a, **kw: None
+                try:
+                    ours = host_us(direct, calls)
+                finally:
+                    for e, fn in zip(entries, real):
+                        e.graph.execute = fn
+                for impl, us in ((f"cudnn call, bind={mode}", whole), (f"cudnn via dispatch.run, bind={mode}", via_dispatch),
+                                 (f"cudnn wrapper only (execute no-op), bind={mode}", ours)):
+                    rows.append(dict(op="host", shape=f"{direction} {shape}", impl=impl, ms=us / 1e3, tflops=None,
+                                     ratio=HOST_BUDGET_US / us, vs=f"budget {HOST_BUDGET_US:.0f} us",
+                                     note=f"{us:.1f} us per call, {calls} calls enqueued"))
+    finally:
+        att.BIND = saved_bind
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+def plan_name(att, key_prefix):
+    for key, entry in att._graphs.items():
+        if key[0] == key_prefix:
+            try:
+                g = entry.graph
+                return str(g.get_plan_name_at_index(getattr(g, "_plan_index", 0)))
+            except Exception as exc:  # noqa: BLE001
+                return f"(plan name unavailable: {type(exc).__name__})"
+    return "(no graph)"
+
+
+def main():
+    args = parse_args()
+    rows, notes = [], []
+    if not torch.cuda.is_available():
+        print("bench_attention_cudnn: no CUDA device here; nothing to time (the backend runs on CUDA only)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dict(op="skip", shape="", impl="cudnn", ms=None, note="no CUDA device")], f)
+        return
+
+    import backends
+
+    backends.load()
+    from backends.cudnn import _common
+
+    info = backends.backend_infos().get("cudnn")
+    if info is None or not info.available:
+        print(f"bench_attention_cudnn: cudnn backend unavailable: {info.reasons if info else 'not registered'}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dict(op="skip", shape="", impl="cudnn", ms=None,
+                                note="; ".join(info.reasons) if info else "not registered")], f)
+        return
+    from backends.cudnn import attention as att
+
+    cc = torch.cuda.get_device_capability()
+    notes.append(f"device {torch.cuda.get_device_name()} (cc {cc[0]}.{cc[1]}), frontend {info.version}, "
+                 f"cuDNN {_common.version_text(_common.backend_version())}, torch {torch.__version__}")
+
+    cases = [("bshd", 1, 4096, 128, True)]
+    if not args.quick:
+        cases += [("bshd", 1, 4096, 128, False), ("bshd", 1, 8192, 128, True), ("thd", 2, 2048, 128, True)]
+    scale = 1.0 / math.sqrt(D_QK)
+    for layout, b, s, h, causal in cases:
+        shape = f"{layout} B{b} S{s} H{h}{' causal' if causal else ''}"
+        q, k, v, do = make_inputs(b, s, h)
+        base = torch_baseline(q, k, v, do, causal, scale, notes, shape)
+        kw = {}
+        if layout == "thd":
+            q, k, v, do = (x.reshape(b * s, h, x.shape[-1]) for x in (q, k, v, do))
+            cu = torch.arange(0, b * s + 1, s, dtype=torch.int32, device="cuda")
+            kw = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        reasons = att.attention_reasons(q, k, v, causal=causal, **kw)
+        if reasons:
+            notes.append(f"cudnn {shape}: not accepted: {'; '.join(reasons)}")
+            continue
+        fwd = lambda: att.mla_attention(q, k, v, causal=causal, **kw)  # noqa: E731
+        notes.append(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s (graph build + plan), "
+                     f"plan {plan_name(att, 'fwd_thd' if layout == 'thd' else 'fwd')}")
+        o, lse = fwd()
+        fwd_ms = bench_ms(fwd)
+        bwd = lambda: att.mla_attention_backward(do, q, k, v, o, lse, causal=causal, **kw)  # noqa: E731
+        notes.append(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s, "
+                     f"plan {plan_name(att, 'bwd_thd' if layout == 'thd' else 'bwd')}")
+        grads = bwd()
+        bwd_ms = bench_ms(bwd)
+        for op, ms, out in (("fwd", fwd_ms, (o,)), ("bwd", bwd_ms, grads)):
+            ref = base.get(op)
+            err = None
+            if ref is not None:
+                ref_out = (ref[1],) if op == "fwd" else ref[1]
+                err = max(rel_err(a.reshape(r.shape), r) for a, r in zip(out, ref_out))
+            fl = flops(b, s, s, h, causal, op)
+            rows.append(dict(op=op, shape=shape, impl="cudnn (ours)", ms=ms, tflops=fl / ms / 1e9,
+                             ratio=(ref[0] / ms) if ref else None, vs=base.get("label") if ref else None,
+                             note=(f"err {err:.1e} " if err is not None else "") + f"target ratio >= {DEVICE_TARGET}"))
+            if ref:
+                rows.append(dict(op=op, shape=shape, impl=base["label"], ms=ref[0], tflops=fl / ref[0] / 1e9,
+                                 ratio=1.0, vs=base["label"], note="baseline"))
+        del q, k, v, do, o, lse, grads, base
+        torch.cuda.empty_cache()
+
+    # MXFP8: only where the backend takes it
+    from backends.torch.quantize import mxfp8_quantize
+
+    b, s, h = 1, 4096, 128
+    q, k, v, do = make_inputs(b, s, h, seed=3)
+    q_mx, k_mx = (mxfp8_quantize(x, axis=-1) for x in (q, k))
+    v_mx = mxfp8_quantize(v, axis=1)
+    reasons = att.attention_reasons(q_mx, k_mx, v_mx, causal=True)
+    if reasons:
+        notes.append(f"cudnn MXFP8 B{b} S{s} H{h} causal: not accepted here: {'; '.join(reasons)}")
+    else:
+        shape = f"bshd B{b} S{s} H{h} causal mxfp8"
+        fwd = lambda: att.mla_attention(q_mx, k_mx, v_mx, causal=True)  # noqa: E731
+        notes.append(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s")
+        o, lse = fwd()
+        ms = bench_ms(fwd)
+        rows.append(dict(op="fwd", shape=shape, impl="cudnn mxfp8 (ours)", ms=ms,
+                         tflops=flops(b, s, s, h, True, "fwd") / ms / 1e9, note="includes scale re-layout"))
+        bwd = lambda: att.mla_attention_backward(do, q_mx, k_mx, v_mx, o, lse, causal=True)  # noqa: E731
+        notes.append(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s")
+        ms = bench_ms(bwd)
+        rows.append(dict(op="bwd", shape=shape, impl="cudnn mxfp8 (ours)", ms=ms,
+                         tflops=flops(b, s, s, h, True, "bwd") / ms / 1e9,
+                         note="includes re-quantizing q, k, v, do and scale re-layout"))
+    del q, k, v, do, q_mx, k_mx, v_mx
+    torch.cuda.empty_cache()
+
+    # Host overhead of a cache hit: the DeepSeek shape (few calls) and a tiny one (many calls).
+    host_rows(att, rows, notes, 1, 4096, 128, True, calls=20)
+    host_rows(att, rows, notes, 1, 128, 8, True, calls=100)
+
+    for note in notes:
+        print(note)
+    print()
+    print(f"{'op':4} {'shape':34} {'impl':44} {'ms':>10} {'TFLOP/s':>8} {'ratio':>7} {'vs':22} note")
+    for r in rows:
+        tf = f"{r['tflops']:8.1f}" if r.get("tflops") else f"{'':8}"
+        ratio = f"{r['ratio']:7.3f}" if r.get("ratio") else f"{'':7}"
+        print(f"{r['op']:4} {r['shape']:34} {r['impl']:44} {r['ms']:10.4f} {tf} {ratio} {str(r.get('vs') or ''):22} "
+              f"{r.get('note', '')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
