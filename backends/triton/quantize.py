@@ -1,0 +1,684 @@
+"""Triton MXFP8 quantize / dequantize (SEMANTICS.md sections 1-2), byte-equal to spec.quantize for every
+element format, scale mode and non-finite policy, with compact or swizzled scales.
+
+Kernel design (`_quantize_kernel`, memory bound)
+- The input is viewed as [P, M, N] (contiguous). "Row" output = blocks of 32 along N (the last axis),
+  "col" output = blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K];
+  axis=0 is the col mode of [1, M, prod(rest)]; a middle axis is the col mode with P = product of the
+  axes before it. axis=(-1, 0) / (0, -1) on [M, ...] is ONE pass in the dual mode of [1, M, prod(rest)]:
+  each [BM, BN] tile is loaded once (16-byte vector loads), both amaxes come from the same registers,
+  both code arrays and both scale arrays are written once. Other tuples run one pass per axis.
+- Per tile: x widened to fp32 exactly (bf16 by shifting its bits: the interpreter flushes bf16
+  subnormals). Row blocks: reshape [BM, BN/32, 32] and reduce axis 2; col blocks: reshape
+  [BM/32, 32, BN] and reduce axis 1; the multiplier is broadcast back over the same view, so data
+  never moves between threads except inside the reductions.
+- amax (saturate policy): float max of |x| with maxnum semantics (max.f32 ignores NaN; an all-NaN
+  block gives NaN, mapped to 0): one FMNMX per element. nan_block: integer max over |x| bits, once
+  with NaN lanes zeroed (amax) and once raw (>= Inf bits flags the block).
+- Scale byte: from the fp32 bits (rceil: one RN multiply by R = RN(1/max), then the exponent/mantissa
+  rule; floor/ceil/even: amax's exponent field), never log2 or division. s_inv = 2^(127-e) built
+  on the bits. y = x * s_inv is one fp32 multiply (launched with enable_fp_fusion=False: nothing is
+  contracted, though here no add follows a multiply before a rounding that matters).
+- Element code, GPU (sm90+): clamp to +-max, then Triton's fp32 -> fp8 cast, which lowers to
+  cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even); NaN lanes (lost by the NaN-ignoring
+  clamp) are selected to 0x7F afterwards. Interpreter / older GPUs: the same rounding on the fp32
+  bits (`_encode_bits`): Triton's interpreter truncates fp32 -> fp8, and before sm90 Triton converts
+  fp32 -> fp8 through an fp16 round-toward-zero step. Both produce the spec's codes on every input.
+- Scales are written compact or directly in the swizzled layout (swizzle.swizzle_offset). A
+  [128, 128] tile's row scales and its col scales are each one contiguous 512-byte swizzle tile.
+  Padding of the swizzled buffer: when the scale matrix's row/column padding lies inside the data
+  grid (2-D views: always for col scales, and for row scales unless the row axis is a flattened
+  tail of an N-D tensor), the launch grid is extended to roundup(M, 128) x roundup(N, 128) and the
+  extra tiles load zeros (masked), whose blocks get scale byte 0 in every mode: the kernel writes
+  every byte of the buffer, allocated with torch.empty. Otherwise (N-D dual with padding, middle axis
+  with padding) the scale buffer is zero-initialised with torch.zeros and the kernel writes the rest.
+- Tiles BM x BN in {32, 64, 128}^2 with 1-8 warps, autotuned per shape bucket (log2 of M and N) and
+  mode; interior tiles of divisible shapes run without masks (MASKED constexpr).
+Bytes per element (bf16 in, dual): 2 read + 2 code bytes + 2/32 scale bytes = 4.0625.
+
+Dequantize (`_dequantize_kernel`): same views and tiles; codes decoded on the bits (sign | mag << 20
+(e4m3) or << 21 (e5m2) is the value times 2^-120 / 2^-112, exact for subnormal codes too), one fp32
+multiply by 2^(e-127), bf16 rounding on the bits; every NaN is written as the canonical quiet NaN
+(0x7FC00000 / 0x7FC0), as spec does.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import struct
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from spec.constants import BLOCK_SIZE, ELEM_FORMATS, SCALE_MODES, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.mxtensor import MXTensor
+from spec.quantize import normalize_axes
+
+from ..registry import register
+from ._common import interpret_mode, triton_reasons
+from .swizzle import swizzle_offset
+
+_ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_SCALE_MODE_CODE = {name: i for i, name in enumerate(SCALE_MODES)}  # rceil 0, floor 1, ceil 2, even 3
+assert _SCALE_MODE_CODE == {"rceil": 0, "floor": 1, "ceil": 2, "even": 3}
+_X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+F32_INF_BITS = tl.constexpr(0x7F800000)
+F32_MANT_MASK = tl.constexpr(0x007FFFFF)
+F32_QNAN_BITS = tl.constexpr(0x7FC00000)
+HALF_SUBNORMAL_MANT = tl.constexpr(0x00400000)  # fp32 bits of 2^-127
+NAN_CODE = tl.constexpr(0x7F)
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def _elem_meta(elem: str) -> Dict[str, int]:
+    """Constexpr constants of one element format (all integers: fp32 constants travel as bits)."""
+    fmt = ELEM_FORMATS[elem]
+    ebias = (1 << (7 - fmt.mbits)) // 2 - 1  # e4m3: 7, e5m2: 15
+    shift = 23 - fmt.mbits
+    # Subnormal codes are RN(|y| / 2^(1 - ebias - mbits)): adding 2^(1 - ebias - mbits + 23) rounds |y|
+    # to that grid in one fp32 add (ties to even), and the integer difference of the bits is the code.
+    sub_magic = 2.0 ** (1 - ebias - fmt.mbits + 23)
+    return dict(
+        IS_E5M2=elem == "e5m2",
+        INV_MAX_BITS=fmt.inv_max_bits,
+        MAX_BITS=_f32_bits(fmt.max),
+        EMAX=fmt.emax,
+        MBITS=fmt.mbits,
+        CODE_SHIFT=shift,
+        ROUND_HALF=(1 << (shift - 1)) - 1,
+        EXP_REBIAS=(127 - ebias) << fmt.mbits,
+        MIN_NORMAL_BITS=_f32_bits(2.0 ** (1 - ebias)),
+        SUB_MAGIC_BITS=_f32_bits(sub_magic),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# device helpers
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_f32(ptrs, mask, X_KIND: tl.constexpr, MASKED: tl.constexpr):
+    """Load and widen to fp32 exactly. bf16 arrives as int16 bits: bits << 16 is its fp32 value
+    (Triton's interpreter flushes bf16 subnormals in its cast; on the GPU this is the same shift)."""
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0)
+    else:
+        v = tl.load(ptrs)
+    if X_KIND == 0:
+        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _block_amax(x3, AXIS: tl.constexpr):
+    """amax of each block of x3 along AXIS as SEMANTICS 1.1 step 1 defines it: NaN ignored, starting
+    from +0. tl.max combines with maxnum (PTX max.f32), which drops a NaN operand, so only an
+    all-NaN block yields NaN, and its amax is 0."""
+    amax = tl.max(tl.abs(x3), axis=AXIS)
+    return tl.where(amax == amax, amax, 0.0)
+
+
+@triton.jit
+def _scale_byte(amax, nonfinite, INV_MAX_BITS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr):
+    """E8M0 byte (int32 lanes) of blocks with NaN-free amax >= 0 (SEMANTICS 1.1-1.3)."""
+    amax_bits = amax.to(tl.int32, bitcast=True)
+    if SCALE_MODE == 0:  # rceil: p = RN_f32(amax * R), then the exponent-bit rule on p
+        r = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+        p = (amax * r).to(tl.int32, bitcast=True)
+        biased = (p >> 23) & 0xFF
+        mant = p & F32_MANT_MASK
+        e = biased + (mant > 0).to(tl.int32)
+        e = tl.where(biased >= 254, 254, e)  # p >= 2^127 or p = +Inf (amax = Inf): 254
+        e = tl.where((biased == 0) & (mant <= HALF_SUBNORMAL_MANT), 0, e)  # p <= 2^-127
+    else:
+        bits = amax_bits
+        if SCALE_MODE == 3:  # even: round amax's mantissa to MBITS first; a carry bumps the exponent
+            bits = (bits + (1 << (22 - MBITS))) & (-(1 << (23 - MBITS)))
+        e = ((bits >> 23) & 0x1FF) - EMAX
+        if SCALE_MODE == 2:  # ceil
+            e = e + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
+        e = tl.maximum(e, 0)
+        e = tl.where(amax_bits == F32_INF_BITS, 254, e)  # an Inf block saturates (1.2, 1.3)
+    if NAN_BLOCK:
+        e = tl.where(nonfinite, 255, e)
+    return e
+
+
+@triton.jit
+def _scale_multiplier(e, NAN_BLOCK: tl.constexpr):
+    """fp32 s_inv = exact 2^(127 - e): e = 254 -> the subnormal 2^-127, e = 255 -> NaN (SEMANTICS 1.4)."""
+    bits = tl.where(e <= 253, (254 - e) << 23, HALF_SUBNORMAL_MANT)
+    if NAN_BLOCK:
+        bits = tl.where(e == 255, F32_QNAN_BITS, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _encode_bits(y, MAX_BITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr,
+                 EXP_REBIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr):
+    """fp8 codes (int32 lanes) of fp32 y on integer bits: RN-even with saturation to +-max (Inf -> max),
+    NaN -> 0x7F, signed zeros and subnormal codes kept (SEMANTICS 1.4)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80  # arithmetic shift: the sign lands in bit 7
+    mag = bits & F32_ABS_MASK
+    is_nan = mag > F32_INF_BITS
+    mag = tl.minimum(mag, MAX_BITS)  # saturate: integer order of |y| bits is the float order
+    # normal codes: drop 23 - mbits mantissa bits rounding to nearest even (a carry bumps the exponent,
+    # as RN does), then rebias the exponent from 127 to the format's bias
+    normal = ((mag + ROUND_HALF + ((mag >> CODE_SHIFT) & 1)) >> CODE_SHIFT) - EXP_REBIAS
+    # subnormal codes: one fp32 add of 2^k rounds |y| to the subnormal grid (ties to even)
+    magic = tl.full(y.shape, SUB_MAGIC_BITS, tl.int32).to(tl.float32, bitcast=True)
+    sub = (mag.to(tl.float32, bitcast=True) + magic).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
+    code = tl.where(mag < MIN_NORMAL_BITS, sub, normal) | sign
+    return tl.where(is_nan, NAN_CODE, code)
+
+
+@triton.jit
+def _encode(y, IS_E5M2: tl.constexpr, MAX_BITS: tl.constexpr, CODE_SHIFT: tl.constexpr,
+            ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr,
+            SUB_MAGIC_BITS: tl.constexpr, HW_CVT: tl.constexpr):
+    """uint8 fp8 codes of fp32 y (module docstring: hardware cvt on sm90+, integer bits otherwise)."""
+    if HW_CVT:
+        lim = tl.full(y.shape, MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+        clamped = tl.minimum(tl.maximum(y, -lim), lim)  # maxnum/minnum: NaN lanes become +-max here
+        if IS_E5M2:
+            code = clamped.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            code = clamped.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        return tl.where(y != y, NAN_CODE, code).to(tl.uint8)
+    else:
+        code = _encode_bits(y, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        return code.to(tl.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# quantize kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (PTX max.NaN.f32): a block's result is NaN iff it holds a NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax_nan(x3, AXIS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-block max |x| that is NaN iff the block holds a NaN (and Inf iff it holds an Inf but no
+    NaN). One max.NaN per element on the GPU; the interpreter runs a custom-combine reduction one
+    pair at a time in Python, so there it is built from two vectorised reductions instead."""
+    if INTERPRET:
+        amax = tl.max(tl.abs(x3), axis=AXIS)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=AXIS) > 0
+        return tl.where(has_nan, float("nan"), amax)
+    else:
+        return tl.reduce(tl.abs(x3), AXIS, _max_nan)
+
+
+@triton.jit
+def _emit(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, FINITE: tl.constexpr, MASKED: tl.constexpr,
+          SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, IS_E5M2: tl.constexpr,
+          INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+          CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
+          MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr):
+    """Scale bytes, codes and stores of one direction. x3: the tile viewed with blocks along AXIS;
+    amax / nonfinite: per block. FINITE: the tile holds no NaN / Inf (module docstring)."""
+    if FINITE and SCALE_MODE == 0:
+        # rceil on a finite amax, shortened: biased + (mant > 0) is (bits + 0x7FFFFF) >> 23, and
+        # p <= 2^-127 gives 0. p stays below 2^126 (amax <= fp32 max), so e <= 253: no clamp at 254,
+        # and s_inv = 2^(127 - e) is always the normal number with biased exponent 254 - e.
+        r = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+        p = (amax * r).to(tl.int32, bitcast=True)
+        e = tl.where(p <= HALF_SUBNORMAL_MANT, 0, (p + F32_MANT_MASK) >> 23)
+        s_inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        e = _scale_byte(amax, nonfinite, INV_MAX_BITS, EMAX, MBITS, SCALE_MODE, NAN_BLOCK)
+        s_inv = _scale_multiplier(e, NAN_BLOCK)
+    y = tl.reshape(x3 * tl.expand_dims(s_inv, AXIS), [BM, BN])
+    if HW_CVT and FINITE:
+        # finite y: cvt.rn.satfinite rounds to nearest even and saturates finite overflow to +-max,
+        # which is exactly clamp-then-round; no NaN can occur
+        if IS_E5M2:
+            codes = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        codes = _encode(y, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+                        SUB_MAGIC_BITS, HW_CVT)
+    if MASKED:
+        tl.store(code_ptr + offs, codes, mask=mask)
+        tl.store(s_ptr + s_off, e.to(tl.uint8), mask=s_mask)
+    else:
+        tl.store(code_ptr + offs, codes)
+        tl.store(s_ptr + s_off, e.to(tl.uint8))
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
+    M, N,  # data extent of one [M, N] batch
+    GRID_M, GRID_N,  # extent covered by tiles (M, N, or both rounded up to 128 to write swizzle padding)
+    ROW_LIM_M, ROW_LIM_N, COL_LIM_M, COL_LIM_N,  # scale-store limits in data coordinates
+    ROW_LAST,  # row mode with swizzled scales of an N-D tensor: length of its last axis
+    ROW_CP, COL_CP,  # padded column count C' of the swizzled scale matrices
+    M_BUCKET, N_BUCKET,  # autotune keys only
+    X_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+    ROW_SWIZZLED: tl.constexpr, COL_SWIZZLED: tl.constexpr, ROW_SPLIT: tl.constexpr,
+    SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, IDX64: tl.constexpr,
+    IS_E5M2: tl.constexpr, INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, EMAX: tl.constexpr,
+    MBITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+    INTERPRET: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(GRID_N, BN)
+    tiles_per_batch = tl.cdiv(GRID_M, BM) * tiles_n
+    batch = pid // tiles_per_batch
+    tile = pid % tiles_per_batch
+    pid_m = tile // tiles_n  # consecutive programs walk along N: one row band streams through DRAM
+    pid_n = tile % tiles_n
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        batch = batch.to(tl.int64)
+    offs = batch * M * N + offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    x = _load_f32(x_ptr + offs, mask, X_KIND, MASKED)
+
+    # Each direction: NaN-propagating amax (NaN marks blocks with NaN, Inf blocks with Inf; on finite
+    # tiles it is the spec's amax), then the fast path if the whole tile is finite, else the full one.
+    if ROW:  # blocks of 32 along N; scales [BM, BN/32]
+        blk = pid_n * (BN // 32) + tl.arange(0, BN // 32)  # global block column
+        if IDX64:
+            blk = blk.to(tl.int64)
+        if ROW_SWIZZLED:
+            if ROW_SPLIT:  # S = [M * N / LAST, LAST / 32]: the flat row is split by the last axis
+                col0 = blk * 32
+                row_s_off = swizzle_offset(offs_m[:, None] * (N // ROW_LAST) + (col0 // ROW_LAST)[None, :],
+                                           ((col0 % ROW_LAST) // 32)[None, :], ROW_CP)
+            else:
+                row_s_off = swizzle_offset(offs_m[:, None], blk[None, :], ROW_CP)
+        else:
+            row_s_off = offs_m[:, None] * (N // 32) + blk[None, :]
+        row_s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
+        x_row = tl.reshape(x, [BM, BN // 32, 32])
+        row_amax = _amax_nan(x_row, 2, INTERPRET)
+        if tl.max(tl.where(row_amax < float("inf"), 0, 1)) == 0:
+            _emit(x_row, row_amax, row_amax != row_amax, offs, mask, row_code_ptr, row_scale_ptr, row_s_off,
+                  row_s_mask, 2, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
+                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        else:
+            # row_amax is NaN or Inf exactly for the blocks holding NaN or Inf
+            _emit(x_row, _block_amax(x_row, 2), ~(row_amax < float("inf")), offs, mask, row_code_ptr, row_scale_ptr, row_s_off,
+                  row_s_mask, 2, BM, BN, False, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
+                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+    if COL:  # blocks of 32 along M; scales [BM/32, BN]
+        mblk = pid_m * (BM // 32) + tl.arange(0, BM // 32)  # global block row
+        if IDX64:
+            mblk = mblk.to(tl.int64)
+        if COL_SWIZZLED:  # S = [P * N, M / 32]
+            col_s_off = swizzle_offset(batch * N + offs_n[None, :], mblk[:, None], COL_CP)
+        else:  # compact [P, M / 32, N]
+            col_s_off = batch * (M // 32) * N + mblk[:, None] * N + offs_n[None, :]
+        col_s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_n[None, :] < COL_LIM_N)
+        x_col = tl.reshape(x, [BM // 32, 32, BN])
+        col_amax = _amax_nan(x_col, 1, INTERPRET)
+        if tl.max(tl.where(col_amax < float("inf"), 0, 1)) == 0:
+            _emit(x_col, col_amax, col_amax != col_amax, offs, mask, col_code_ptr, col_scale_ptr, col_s_off,
+                  col_s_mask, 1, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
+                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        else:
+            _emit(x_col, _block_amax(x_col, 1), ~(col_amax < float("inf")), offs, mask, col_code_ptr, col_scale_ptr, col_s_off,
+                  col_s_mask, 1, BM, BN, False, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
+                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+
+
+def _quantize_configs() -> List[triton.Config]:
+    """(BM, BN, warps, register cap). Triton lays a tile out with 16 contiguous bf16 per thread and the
+    warps stacked along M, so a 32-row col block stays inside one warp only for the 1-warp tiles
+    (reductions by shuffles); taller multi-warp tiles reduce through shared memory. The register cap
+    keeps the rarely taken NaN/Inf path from setting the occupancy of the common one (ptxas spills a
+    few scalars there at most): 1-warp tiles at 96 registers fit 21 warps per SM."""
+    shapes = [(32, 64, 1, 96), (32, 64, 1, None), (32, 128, 1, 168), (32, 128, 2, 128), (64, 64, 2, 128),
+              (64, 128, 4, 128)]
+    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=1, maxnreg=r) for bm, bn, w, r in shapes]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles much larger than the problem (the grid would be mostly masked)."""
+    m, n = named_args["M"], named_args["N"]
+    keep = [c for c in configs if c.kwargs["BM"] <= max(32, 2 * m) and c.kwargs["BN"] <= max(64, 2 * n)]
+    return keep or configs[:1]
+
+
+def _masked(args) -> bool:
+    """Masks are needed unless every tile is full and every scale position of the grid is stored."""
+    bm, bn = args["BM"], args["BN"]
+    grid_m, grid_n = _roundup(args["GRID_M"], bm), _roundup(args["GRID_N"], bn)
+    m, n = args["M"], args["N"]
+    lims = [(m, n)]
+    if args["ROW"]:
+        lims.append((args["ROW_LIM_M"], args["ROW_LIM_N"]))
+    if args["COL"]:
+        lims.append((args["COL_LIM_M"], args["COL_LIM_N"]))
+    return any(lm != grid_m or ln != grid_n for lm, ln in lims)
+
+
+_quantize_heuristic = triton.heuristics({"MASKED": _masked})(_quantize_kernel)
+_quantize_tuned = triton.autotune(
+    configs=_quantize_configs(),
+    key=["M_BUCKET", "N_BUCKET", "X_KIND", "ROW", "COL", "ROW_SWIZZLED", "COL_SWIZZLED", "SCALE_MODE",
+         "NAN_BLOCK", "IS_E5M2"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_quantize_heuristic)
+
+# (BM, BN, num_warps) used instead of autotuning: always in the interpreter, and while `forced_config`
+# is active (tests run every config on the GPU this way).
+_INTERPRET_CONFIG = (32, 64, 1)
+_forced_config: Optional[Tuple[int, int, int]] = None
+
+
+@contextlib.contextmanager
+def forced_config(bm: int, bn: int, num_warps: int):
+    """Run the quantize / dequantize kernels with this tile instead of the autotuned one."""
+    global _forced_config
+    prev, _forced_config = _forced_config, (bm, bn, num_warps)
+    try:
+        yield
+    finally:
+        _forced_config = prev
+
+
+def config_space() -> List[Tuple[int, int, int]]:
+    """Distinct (BM, BN, num_warps) tiles of the autotune space (tests run each one)."""
+    return sorted({(c.kwargs["BM"], c.kwargs["BN"], c.num_warps) for c in _quantize_configs()})
+
+
+def _bucket(n: int) -> int:
+    return min(max(int(n) - 1, 1).bit_length(), 20)
+
+
+def _use_hw_cvt(device: torch.device) -> bool:
+    if interpret_mode() or device.type != "cuda" or os.environ.get("MXMLA_TRITON_SOFT_FP8") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+
+def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict], elem: str, scale_mode: str,
+                     nonfinite: str) -> None:
+    """One pass over x3 (contiguous [P, M, N]) writing the row and/or col outputs described by
+    `row` / `col`: dict(code, scale (uint8 buffers), swizzled, lim (scale-store limits in data
+    coordinates), cp (C' of the swizzled matrix), last (row: the tensor's last-axis length), pad
+    (write the swizzle padding from an extended grid))."""
+    p, m, n = x3.shape
+    pad = bool((row and row["pad"]) or (col and col["pad"]))
+    grid_m, grid_n = (_roundup(m, SWIZZLE_ROWS), _roundup(n, SWIZZLE_ROWS)) if pad else (m, n)
+    row_last = row["last"] if row else n
+    x_arg = x3.view(torch.int16) if x3.dtype == torch.bfloat16 else x3
+    unused = row["code"] if row else col["code"]
+    args = dict(
+        x_ptr=x_arg,
+        row_code_ptr=row["code"] if row else unused, row_scale_ptr=row["scale"] if row else unused,
+        col_code_ptr=col["code"] if col else unused, col_scale_ptr=col["scale"] if col else unused,
+        M=m, N=n, GRID_M=grid_m, GRID_N=grid_n,
+        ROW_LIM_M=row["lim"][0] if row else 0, ROW_LIM_N=row["lim"][1] if row else 0,
+        COL_LIM_M=col["lim"][0] if col else 0, COL_LIM_N=col["lim"][1] if col else 0,
+        ROW_LAST=row_last, ROW_CP=row["cp"] if row else 4, COL_CP=col["cp"] if col else 4,
+        M_BUCKET=_bucket(m), N_BUCKET=_bucket(n),
+        X_KIND=_X_KIND[x3.dtype], ROW=row is not None, COL=col is not None,
+        ROW_SWIZZLED=bool(row and row["swizzled"]), COL_SWIZZLED=bool(col and col["swizzled"]),
+        ROW_SPLIT=bool(row and row["swizzled"] and row_last != n),
+        SCALE_MODE=_SCALE_MODE_CODE[scale_mode], NAN_BLOCK=nonfinite == "nan_block",
+        HW_CVT=_use_hw_cvt(x3.device), INTERPRET=interpret_mode(),
+        IDX64=p * (grid_m + 128) * (grid_n + 128) >= 2**31,
+        **_elem_meta(elem),
+    )
+
+    def grid(meta):
+        return (p * triton.cdiv(grid_m, meta["BM"]) * triton.cdiv(grid_n, meta["BN"]),)
+
+    forced = _INTERPRET_CONFIG if interpret_mode() and _forced_config is None else _forced_config
+    if forced is not None:
+        bm, bn, warps = forced
+        _quantize_heuristic[grid({"BM": bm, "BN": bn})](
+            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, enable_fp_fusion=False)
+    else:
+        _quantize_tuned[grid](**args, enable_fp_fusion=False)
+
+
+def _new_output(shape: Tuple[int, ...], axis: int, elem: str, swizzled: bool, in_kernel_pad_ok: bool,
+                device: torch.device):
+    """(MXTensor shell fields, launch dict) for one blocked axis: fp8 codes with the input's shape and
+    the scale buffer (compact, or swizzled [R', C'])."""
+    data = torch.empty(shape, dtype=_ELEM_TORCH[elem], device=device)
+    compact = list(shape)
+    compact[axis] //= BLOCK_SIZE
+    pad = False
+    cp = 4
+    if swizzled:
+        rows = math.prod(n for i, n in enumerate(shape) if i != axis)
+        cols = shape[axis] // BLOCK_SIZE
+        rp, cp = _roundup(rows, SWIZZLE_ROWS), _roundup(cols, SWIZZLE_COLS)
+        needs_pad = (rp, cp) != (rows, cols)
+        pad = needs_pad and in_kernel_pad_ok
+        alloc = torch.zeros if needs_pad and not pad else torch.empty  # zeros: padding not reachable
+        scale = alloc((rp, cp), dtype=torch.uint8, device=device)
+    else:
+        scale = torch.empty(compact, dtype=torch.uint8, device=device)
+    launch = dict(code=data.view(torch.uint8), scale=scale, swizzled=swizzled, cp=cp, pad=pad)
+    return data, scale, launch
+
+
+def _finish_lims(launch: dict, m: int, n: int) -> dict:
+    """Scale-store limits: the data extent, or the whole padded grid when the kernel writes padding."""
+    launch["lim"] = (_roundup(m, SWIZZLE_ROWS), _roundup(n, SWIZZLE_ROWS)) if launch["pad"] else (m, n)
+    return launch
+
+
+def _quantize_pair(x: torch.Tensor, elem, scale_mode, nonfinite, swizzled) -> Tuple[MXTensor, MXTensor]:
+    """Rowwise (last axis) and columnwise (axis 0) of x in one pass over the [M, prod(rest)] view."""
+    shape = tuple(x.shape)
+    m, last = shape[0], shape[-1]
+    n = math.prod(shape[1:])
+    r_data, r_scale, row = _new_output(shape, len(shape) - 1, elem, swizzled, last == n, x.device)
+    c_data, c_scale, col = _new_output(shape, 0, elem, swizzled, True, x.device)
+    row["last"] = last
+    if x.numel():
+        # the grid extends for padding if either output asks; the other one masks its scale stores
+        _launch_quantize(x.view(1, m, n), _finish_lims(row, m, n), _finish_lims(col, m, n), elem, scale_mode,
+                         nonfinite)
+    layout = "swizzled" if swizzled else "compact"
+    return (MXTensor(r_data, r_scale, len(shape) - 1, elem, layout), MXTensor(c_data, c_scale, 0, elem, layout))
+
+
+def _quantize_one(x: torch.Tensor, axis: int, elem, scale_mode, nonfinite, swizzled) -> MXTensor:
+    shape = tuple(x.shape)
+    layout = "swizzled" if swizzled else "compact"
+    if axis == len(shape) - 1:  # row mode of [prod(lead), K]
+        k = shape[-1]
+        r = math.prod(shape[:-1])
+        data, scale, row = _new_output(shape, axis, elem, swizzled, True, x.device)
+        row["last"] = k
+        if x.numel():
+            _launch_quantize(x.view(1, r, k), _finish_lims(row, r, k), None, elem, scale_mode, nonfinite)
+        return MXTensor(data, scale, axis, elem, layout)
+    # col mode of [P, M, N]: P axes before, N the flattened axes after
+    p, m, n = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    data, scale, col = _new_output(shape, axis, elem, swizzled, p == 1, x.device)
+    if x.numel():
+        _launch_quantize(x.view(p, m, n), None, _finish_lims(col, m, n), elem, scale_mode, nonfinite)
+    return MXTensor(data, scale, axis, elem, layout)
+
+
+def quantize_reasons(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfinite="saturate",
+                     scale_layout="compact") -> List[str]:
+    return triton_reasons(x, min_capability=(8, 0))
+
+
+@register("mxfp8_quantize", "triton", check=quantize_reasons)
+def mxfp8_quantize(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact"):
+    axes, as_tuple = normalize_axes(axis, x.dim())
+    x = x.contiguous()
+    swizzled = scale_layout == "swizzled"
+    last = x.dim() - 1
+    done: Dict[int, MXTensor] = {}
+    if last > 0 and 0 in axes and last in axes:  # the one-pass dual kernel
+        done[last], done[0] = _quantize_pair(x, elem, scale_mode, nonfinite, swizzled)
+    for a in axes:
+        if a not in done:
+            done[a] = _quantize_one(x, a, elem, scale_mode, nonfinite, swizzled)
+    outs = tuple(done[a] for a in axes)
+    return outs if as_tuple else outs[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# dequantize
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _decode(codes, IS_E5M2: tl.constexpr):
+    """fp32 value of fp8 codes, exact: sign | mag << (23 - mbits) is the value times
+    2^(ebias - 127) for normal and subnormal codes alike, and the multiply by 2^(127 - ebias) is exact."""
+    c = codes.to(tl.int32)
+    mag = c & 0x7F
+    sign = (c & 0x80) << 24
+    if IS_E5M2:
+        v = ((mag << 21) | sign).to(tl.float32, bitcast=True) * 5.192296858534828e33  # 2^112
+        v = tl.where(mag == 0x7C, (sign | F32_INF_BITS).to(tl.float32, bitcast=True), v)
+        is_nan = mag > 0x7C
+    else:
+        v = ((mag << 20) | sign).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+        is_nan = mag == 0x7F
+    return tl.where(is_nan, float("nan"), v)
+
+
+@triton.jit
+def _scale_value(e):
+    """fp32 2^(e - 127) (e = 0 -> the subnormal 2^-127, e = 255 -> NaN)."""
+    bits = tl.where(e == 0, HALF_SUBNORMAL_MANT, e << 23)
+    return tl.where(e == 255, F32_QNAN_BITS, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequantize_kernel(
+    code_ptr, scale_ptr, out_ptr, M, N, CP, M_BUCKET, N_BUCKET,
+    ROW: tl.constexpr, SWIZZLED: tl.constexpr, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr,
+    IDX64: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    tiles_per_batch = tl.cdiv(M, BM) * tiles_n
+    batch = pid // tiles_per_batch
+    tile = pid % tiles_per_batch
+    pid_m = tile // tiles_n
+    pid_n = tile % tiles_n
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        batch = batch.to(tl.int64)
+    offs = batch * M * N + offs_m[:, None] * N + offs_n[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if MASKED:
+        codes = tl.load(code_ptr + offs, mask=mask, other=0)
+    else:
+        codes = tl.load(code_ptr + offs)
+    v = _decode(codes, IS_E5M2)
+    if ROW:
+        blk = pid_n * (BN // 32) + tl.arange(0, BN // 32)
+        if SWIZZLED:
+            s_off = swizzle_offset(offs_m[:, None], blk[None, :], CP)
+        else:
+            s_off = offs_m[:, None] * (N // 32) + blk[None, :]
+        if MASKED:
+            e = tl.load(scale_ptr + s_off, mask=(offs_m[:, None] < M) & (blk[None, :] * 32 < N), other=0)
+        else:
+            e = tl.load(scale_ptr + s_off)
+        e = e.to(tl.int32)
+        x = tl.reshape(tl.reshape(v, [BM, BN // 32, 32]) * _scale_value(e)[:, :, None], [BM, BN])
+    else:
+        mblk = pid_m * (BM // 32) + tl.arange(0, BM // 32)
+        if SWIZZLED:
+            s_off = swizzle_offset(batch * N + offs_n[None, :], mblk[:, None], CP)
+        else:
+            s_off = batch * (M // 32) * N + mblk[:, None] * N + offs_n[None, :]
+        if MASKED:
+            e = tl.load(scale_ptr + s_off, mask=(mblk[:, None] * 32 < M) & (offs_n[None, :] < N), other=0)
+        else:
+            e = tl.load(scale_ptr + s_off)
+        e = e.to(tl.int32)
+        x = tl.reshape(tl.reshape(v, [BM // 32, 32, BN]) * _scale_value(e)[:, None, :], [BM, BN])
+    # NaN comes only from NaN codes or scale 255 (finite or Inf codes times 2^k never make NaN); spec
+    # writes every NaN as the positive quiet NaN
+    nan = x != x
+    bits = x.to(tl.int32, bitcast=True)
+    if OUT_BF16:
+        # one RN-even to bf16 on the bits (a carry may bump the exponent or reach Inf, as RN does)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        out = tl.where(nan, 0x7FC0, out).to(tl.int16)
+    else:
+        out = tl.where(nan, F32_QNAN_BITS, bits)
+    if MASKED:
+        tl.store(out_ptr + offs, out, mask=mask)
+    else:
+        tl.store(out_ptr + offs, out)
+
+
+_dequantize_heuristic = triton.heuristics(
+    {"MASKED": lambda a: a["M"] % a["BM"] != 0 or a["N"] % a["BN"] != 0})(_dequantize_kernel)
+_dequantize_tuned = triton.autotune(
+    configs=_quantize_configs(),
+    key=["M_BUCKET", "N_BUCKET", "ROW", "SWIZZLED", "IS_E5M2", "OUT_BF16"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_dequantize_heuristic)
+
+
+def dequantize_reasons(t, out_dtype="float32") -> List[str]:
+    return triton_reasons(t, min_capability=(8, 0))
+
+
+@register("mxfp8_dequantize", "triton", check=dequantize_reasons)
+def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
+    data = t.data.contiguous()
+    shape = tuple(data.shape)
+    out = torch.empty(shape, dtype=_OUT_TORCH[out_dtype], device=data.device)
+    if not data.numel():
+        return out
+    swizzled = t.scale_layout == "swizzled"
+    if t.axis == len(shape) - 1:  # row mode of [prod(lead), K]
+        p, m, n = 1, math.prod(shape[:-1]), shape[-1]
+    else:  # col mode of [P, M, N]
+        p, m, n = math.prod(shape[: t.axis]), shape[t.axis], math.prod(shape[t.axis + 1:])
+    args = dict(
+        code_ptr=data.view(torch.uint8), scale_ptr=t.scale.contiguous(),
+        out_ptr=out.view(torch.int16 if out_dtype == "bfloat16" else torch.int32),
+        M=m, N=n, CP=t.swizzled_scale_shape[1] if swizzled else 4, M_BUCKET=_bucket(m), N_BUCKET=_bucket(n),
+        ROW=t.axis == len(shape) - 1, SWIZZLED=swizzled, IS_E5M2=t.elem == "e5m2",
+        OUT_BF16=out_dtype == "bfloat16", IDX64=p * (m + 128) * (n + 128) >= 2**31,
+    )
+
+    def grid(meta):
+        return (p * triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+
+    forced = _INTERPRET_CONFIG if interpret_mode() and _forced_config is None else _forced_config
+    if forced is not None:
+        bm, bn, warps = forced
+        _dequantize_heuristic[grid({"BM": bm, "BN": bn})](
+            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, enable_fp_fusion=False)
+    else:
+        _dequantize_tuned[grid](**args, enable_fp_fusion=False)
+    return out
