@@ -120,7 +120,10 @@ class FakeGraph:
     def get_workspace_size(self):
         return WORKSPACE
 
-    def execute(self, pack, workspace=None, handle=None):
+    def execute(self, pack, workspace=None, handle=None, tensor_uids=None):
+        if tensor_uids is not None:  # the ordered form: buffers and their uids
+            assert len(tensor_uids) == len(pack) == len(set(tensor_uids))
+            pack = dict(zip(tensor_uids, pack))
         self.executions.append((dict(pack), workspace, handle))
         if FakeGraph.on_execute is not None:
             FakeGraph.on_execute(self, pack)
@@ -626,7 +629,8 @@ def test_graph_cache_hits(fake):
     att.mla_attention(q, k, v, causal=True)
     att.mla_attention(q.clone(), k.clone(), v.clone(), causal=True)
     assert att.build_count == before + 1 and len(FakeGraph.instances) == 1
-    assert len(FakeGraph.instances[0].executions) == 2
+    (_, ws1, h1), (_, ws2, h2) = FakeGraph.instances[0].executions
+    assert ws1 is ws2 and h1 is h2  # one workspace per (thread, device, stream), reused
     att.mla_attention(q, k, v, causal=False)  # mask is part of the key
     att.mla_attention(q, k, v, causal=True, softmax_scale=0.5)  # so is the scale
     att.mla_attention(torch.zeros(1, 64, 2, 200, dtype=torch.bfloat16)[..., :192], k, v, causal=True)  # strides
@@ -641,7 +645,7 @@ def test_graph_cache_hit_host_time(fake):
     backend's share is timed; the assertion is loose, the printed number is the data."""
     q, k, v, _ = bf16_inputs(0, 1, 64, 64, 2, "bshd")
     att.mla_attention(q, k, v, causal=True)
-    FakeGraph.instances[0].execute = lambda pack, ws=None, handle=None: None
+    FakeGraph.instances[0].execute = lambda pack, ws=None, handle=None, tensor_uids=None: None
     best = {}
     for mode in ("view", "ptr"):
         att.BIND = mode

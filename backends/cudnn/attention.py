@@ -224,7 +224,9 @@ class _Graph:
 
     def run(self, buffers, device: torch.device) -> None:
         handle, ws = _common.launch(device, self.workspace)
-        self.graph.execute(dict(zip(self.uids, buffers)), ws, handle=handle)
+        # the ordered form (buffers + their uids): the frontend caches the binding metadata by value,
+        # and its own torch SDPA op (cudnn/sdpa/fwd/torch_op.py) executes this way
+        self.graph.execute(buffers, ws, handle=handle, tensor_uids=self.uids)
 
 
 _graphs: Dict[tuple, _Graph] = {}
