@@ -133,6 +133,7 @@ def _rope_kernel(
     n_tokens, n1, n_heads,
     sx0, sx1, sxh, so0, so1, soh, sc_row, ss_row,
     sp_b, sp_s, n_seqs, search_steps, seq_len, cp_size, cp_rank,
+    TOK_BUCKET,  # autotune key only: log2 bucket of the token count
     KEEP: tl.constexpr, BLOCK_KEEP: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     LAYOUT: tl.constexpr, EXPLICIT: tl.constexpr, HAS_CU: tl.constexpr, HAS_START: tl.constexpr,
     CP: tl.constexpr,
@@ -270,7 +271,7 @@ def _fixed_config(n_heads: int, block_keep: int, block_half: int):
 
 _rope_autotuned = triton.autotune(
     configs=_gpu_configs(),
-    key=["n_heads", "KEEP", "HALF", "IN_PAIRED", "OUT_PAIRED", "CONVERT_KEEP"],
+    key=["TOK_BUCKET", "n_heads", "KEEP", "HALF", "IN_PAIRED", "OUT_PAIRED", "CONVERT_KEEP"],
     prune_configs_by={"early_config_prune": _prune},
 )(_rope_kernel)
 
@@ -330,7 +331,8 @@ def _launch(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, 
     block_half = triton.next_power_of_2(half)
     args = (x, out, cos, sin, positions if positions is not None else dummy, cu, start,
             n_tokens, n1, n_heads, sx0, sx1, sxh, so0, so1, soh, cos.stride(0), sin.stride(0),
-            sp_b, sp_s, n_seqs, n_seqs.bit_length() + 1, seq_len, cp_size, cp_rank)
+            sp_b, sp_s, n_seqs, n_seqs.bit_length() + 1, seq_len, cp_size, cp_rank,
+            min(max(n_tokens - 1, 1).bit_length(), 24))
     meta = dict(
         KEEP=keep, BLOCK_KEEP=block_keep, HALF=half, BLOCK_HALF=block_half,
         LAYOUT=_LAYOUT_CODE[layout], EXPLICIT=positions is not None,
