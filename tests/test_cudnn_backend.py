@@ -342,7 +342,7 @@ def test_bf16_dtype_and_layout_reasons(fake, monkeypatch):
     r = att.attention_reasons(q.half(), k.half(), v.half())
     assert r[0] == "q: the cudnn graph SDPA path takes bfloat16, got torch.float16"
     wide = torch.zeros(1, 64, 2, 400, dtype=torch.bfloat16)
-    q_odd = wide[..., 3:195]  # stride 1 on D but rows start 6 bytes off a 16-byte boundary: strides fine
+    q_odd = wide[..., 3:195]  # strides fine; the base address is 6 bytes off: copied at call time, not a reason
     assert att.attention_reasons(q_odd, k, v) == []
     q_step = torch.zeros(1, 64, 2, 384, dtype=torch.bfloat16)[..., ::2]
     assert att.attention_reasons(q_step, k, v) == [
@@ -577,6 +577,24 @@ def test_bf16_strided_views_go_in_without_copies(fake):
     assert list(pack[att.V].shape) == [2, 3, 64, 128]  # a strided view goes in as the declared view
 
 
+def test_misaligned_base_and_do_layout_are_normalized(fake):
+    """A q starting off a 16-byte boundary is copied; dO is handed over in O's layout."""
+    q, k, v, do = bf16_inputs(0, 1, 64, 64, 2, "bshd")
+    store = torch.zeros(q.numel() + 3, dtype=torch.bfloat16)
+    q_odd = store[3:].view(q.shape).copy_(q)
+    assert q_odd.data_ptr() % 16 and torch.equal(q_odd, q)
+    att.mla_attention(q_odd, k, v, causal=True)
+    (g,) = FakeGraph.instances
+    bound = g.executions[0][0][att.Q]
+    assert bound.data_ptr() % 16 == 0 and torch.equal(bound.view(q.shape), q)
+    o = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    do_t = do.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides than o
+    att.mla_attention_backward(do_t, q, k, v, o, torch.zeros(1, 2, 64), causal=True)
+    g = FakeGraph.instances[-1]
+    assert g.by_uid(att.DO)["stride"] == g.by_uid(att.O)["stride"]
+    assert torch.equal(g.executions[0][0][att.DO], do)
+
+
 def test_bf16_forward_sq_gt_skv_causal_masks_leading_rows(fake):
     q, k, v, _ = bf16_inputs(0, 1, 100, 64, 2, "bshd")
     FakeGraph.on_execute = fill_outputs({att.O: 1.0, att.STATS: 3.0})
@@ -697,7 +715,7 @@ def test_thd_forward_graph(fake):
         assert g.by_uid(uid)["ragged_offset"]["uid"] == rag
     ((name, args, kw, (o_decl, st_decl)),) = g.ops
     assert kw["use_padding_mask"] is True and kw["seq_len_q"]["uid"] == att.SEQ_Q and kw["seq_len_kv"]["uid"] == att.SEQ_KV
-    assert kw["max_total_seq_len_q"] == 200 and kw["max_total_seq_len_kv"] == 256
+    assert "max_total_seq_len_q" not in kw  # forward: not set (the frontend's own torch op neither)
     assert kw["diagonal_alignment"] == "BOTTOM_RIGHT" and kw["diagonal_band_right_bound"] == 0
     assert o_decl["ragged_offset"]["uid"] == att.RAG_O and o_decl["dim"] == [b, h, smq, 128]
     assert st_decl["dim"] == [b, h, smq, 1] and st_decl.attrs.get("ragged_offset") is None
@@ -744,10 +762,14 @@ def test_thd_backward_graph(fake):
     (g,) = FakeGraph.instances
     ((name, args, kw, outs),) = g.ops
     assert name == "sdpa_backward" and "diagonal_alignment" not in kw
-    assert kw["use_padding_mask"] is True and kw["max_total_seq_len_q"] == 200
-    for out, src in zip(outs, (att.RAG_QK, att.RAG_KK, att.RAG_V)):
-        assert out["ragged_offset"]["uid"] == src and out["is_output"]
+    assert kw["use_padding_mask"] is True
+    for out, rag in zip(outs, (att.RAG_DQ, att.RAG_DK, att.RAG_DV)):
+        assert out["ragged_offset"]["uid"] == rag and out["is_output"]
     assert g.by_uid(att.DO)["ragged_offset"]["uid"] == att.RAG_O
+    assert kw["max_total_seq_len_q"] == 256 and kw["max_total_seq_len_kv"] == 256  # 200, 256 rounded up to 64
+    pack = g.executions[0][0]
+    for rag, same in ((att.RAG_DQ, att.RAG_QK), (att.RAG_DK, att.RAG_KK), (att.RAG_DV, att.RAG_V)):
+        assert pack[rag].flatten().tolist() == pack[same].flatten().tolist()
     stats = g.executions[0][0][att.STATS][..., 0]  # [B, H, S_max]
     for t in (0, 44, 45, 127, 130, 199):
         seq = next(i for i in range(4) if cu_q[i] <= t < cu_q[i + 1])
@@ -1141,8 +1163,8 @@ def test_emulated_strided_sbhd_views(emulated):
     conf.check_forward(got, want, conf.BF16_BOUND, "strided sbhd", "sbhd")
 
 
-@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
-@pytest.mark.parametrize("s_q,s_kv,causal", [(64, 64, True), (96, 128, False), (192, 128, True), (128, 192, True)])
+@pytest.mark.parametrize("layout,s_q,s_kv,causal", [("bshd", 64, 64, True), ("sbhd", 96, 128, False),
+                                                    ("bshd", 192, 128, True), ("sbhd", 128, 192, True)])
 def test_emulated_mxfp8(emulated, layout, s_q, s_kv, causal):
     """MXFP8 forward and backward through the emulated library against spec.
 

@@ -71,7 +71,7 @@ BIND = "view"
 
 # tensor uids (fixed, so the execute dict needs no lookups)
 Q, K, V, O, STATS, DO, DQ, DK, DV = 1, 2, 3, 4, 5, 6, 7, 8, 9
-SEQ_Q, SEQ_KV, RAG_QK, RAG_KK, RAG_V, RAG_O = 10, 11, 12, 13, 14, 15
+SEQ_Q, SEQ_KV, RAG_QK, RAG_KK, RAG_V, RAG_O, RAG_DQ, RAG_DK, RAG_DV = 10, 11, 12, 13, 14, 15, 16, 17, 18
 SF_Q, SF_K, SF_V, AMAX_O = 20, 21, 22, 23
 Q_T, K_T, DO_F8, DO_T, SF_Q_T, SF_K_T, SF_DO, SF_DO_T, AMAX_DQ, AMAX_DK, AMAX_DV = range(24, 35)
 
@@ -308,6 +308,30 @@ def _scale(softmax_scale) -> float:
     return DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """cuDNN's kernels fault on a base address off a 16-byte boundary (equal strides do not help: a
+    slice starting at an odd element has them); such an operand is copied, like the frontend's own
+    torch op does (cudnn/sdpa/fwd/torch_op.py, _normalize_operand)."""
+    return t if not t.data_ptr() % 16 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _aligned_all(*ts):
+    if not any(t.data_ptr() % 16 for t in ts):
+        return ts
+    return tuple(_aligned(t) for t in ts)
+
+
+def _aligned_mx(t: MXTensor) -> MXTensor:
+    return t if not t.data.data_ptr() % 16 else t.replace(data=_aligned(t.data))
+
+
+def _do_like_o(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """dO in O's layout (the frontend's torch op requires dO to match O's strides), 16-byte aligned."""
+    if do.stride() == o.stride() and not do.data_ptr() % 16:
+        return do
+    return torch.empty_strided(o.shape, o.stride(), dtype=do.dtype, device=do.device).copy_(do)
+
+
 # --------------------------------------------------------------------------------------------------
 # bf16, bshd / sbhd
 # --------------------------------------------------------------------------------------------------
@@ -339,6 +363,7 @@ def _build_dense_fwd(q, k, v, causal, scale, layout, bottom_right):
 
 def _dense_forward(q, k, v, causal, scale, layout):
     """cuDNN forward for bshd / sbhd with S_q <= S_kv when causal."""
+    q, k, v = _aligned_all(q, k, v)
     b, s_q = _seq_lengths(q, layout)
     s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
@@ -375,8 +400,10 @@ def _dense_backward(do, q, k, v, o, lse, causal, scale, layout):
     s_q = _seq_lengths(q, layout)[1]
     s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
-    if not lse.is_contiguous():
-        lse = lse.contiguous()  # cuDNN < 9.26 wants a packed [B, H, S, 1] Stats input
+    q, k, v, o = _aligned_all(q, k, v, o)
+    do = _do_like_o(do, o)
+    if not lse.is_contiguous() or lse.data_ptr() % 16:  # Stats: a packed, aligned [B, H, S, 1] (cuDNN < 9.26)
+        lse = lse.clone(memory_format=torch.contiguous_format)
     key = ("bwd", layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(),
            do.stride(), causal, scale, bottom_right, q.get_device())
     entry = _cached(key, lambda: _build_dense_bwd(do, q, k, v, o, causal, scale, layout, bottom_right))
@@ -463,7 +490,8 @@ def _thd_tensors(g, fe, batch: int):
     dt = fe.data_type
     shape = dict(dim=[batch + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
     rag = {name: g.tensor(name=f"ragged_{name}", uid=uid, **shape)
-           for name, uid in (("qk", RAG_QK), ("kk", RAG_KK), ("v", RAG_V), ("o", RAG_O))}
+           for name, uid in (("qk", RAG_QK), ("kk", RAG_KK), ("v", RAG_V), ("o", RAG_O), ("dq", RAG_DQ),
+                             ("dk", RAG_DK), ("dv", RAG_DV))}
     lens = dict(dim=[batch, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
     seq_q = g.tensor(name="seq_len_q", uid=SEQ_Q, **lens)
     seq_kv = g.tensor(name="seq_len_kv", uid=SEQ_KV, **lens)
@@ -507,7 +535,6 @@ def _build_thd_fwd(q, k, v, causal, scale, thd: _Thd):
     tv = g.tensor(name="v", dim=vd, stride=vs, data_type=dt.BFLOAT16, uid=V, ragged_offset=rag["v"])
     o, stats = g.sdpa(tq, tk, tv, attn_scale=scale, generate_stats=True, name="mla_sdpa_thd",
                       use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
-                      max_total_seq_len_q=q.shape[0], max_total_seq_len_kv=k.shape[0],
                       **_mask_kwargs(fe, causal, thd.bottom_right))
     o.set_output(True).set_dim(od).set_stride(os_).set_data_type(dt.BFLOAT16).set_uid(O).set_ragged_offset(rag["o"])
     s = thd.s_max_q
@@ -517,12 +544,19 @@ def _build_thd_fwd(q, k, v, causal, scale, thd: _Thd):
     return _Graph(g, uids, _build(g, fe))
 
 
+def _round64(n: int) -> int:
+    """The backward's packed token totals (they size its dq accumulator), rounded up to 64 tokens like
+    the frontend's own torch op does."""
+    return -(-n // 64) * 64
+
+
 def _thd_key(kind, q, k, causal, scale, thd: _Thd):
     return (kind, q.shape, k.shape, causal, scale, thd.batch, thd.s_max_q, thd.s_max_kv, thd.bottom_right,
             q.get_device())
 
 
 def _thd_forward(q, k, v, causal, scale, cu_q, cu_kv):
+    q, k, v = _aligned_all(q, k, v)
     thd = _Thd(cu_q, cu_kv, causal)
     tokens, heads = q.shape[0], q.shape[1]
     o = torch.zeros((tokens, heads, D_V), dtype=torch.bfloat16, device=q.device)
@@ -562,16 +596,19 @@ def _build_thd_bwd(q, k, v, causal, scale, thd: _Thd):
                      uid=STATS)
     dq, dk, dv = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["dO"], stats, attn_scale=scale,
                                  name="mla_sdpa_bwd_thd", use_padding_mask=True, seq_len_q=seq_q, seq_len_kv=seq_kv,
-                                 max_total_seq_len_q=q.shape[0], max_total_seq_len_kv=k.shape[0],
+                                 max_total_seq_len_q=_round64(q.shape[0]), max_total_seq_len_kv=_round64(k.shape[0]),
                                  **_mask_kwargs(fe, causal, thd.bottom_right))
-    for out, uid, src in ((dq, DQ, "q"), (dk, DK, "k"), (dv, DV, "v")):
-        (d, s), r, _ = geo[src]
-        out.set_output(True).set_dim(d).set_stride(s).set_data_type(dt.BFLOAT16).set_uid(uid).set_ragged_offset(r)
-    uids = (Q, K, V, O, DO, STATS, DQ, DK, DV, RAG_QK, RAG_KK, RAG_V, RAG_O, SEQ_Q, SEQ_KV)
+    for out, uid, src, rag_name in ((dq, DQ, "q", "dq"), (dk, DK, "k", "dk"), (dv, DV, "v", "dv")):
+        (d, s), _, _ = geo[src]
+        out.set_output(True).set_dim(d).set_stride(s).set_data_type(dt.BFLOAT16).set_uid(uid)
+        out.set_ragged_offset(rag[rag_name])
+    uids = (Q, K, V, O, DO, STATS, DQ, DK, DV, RAG_QK, RAG_KK, RAG_V, RAG_O, SEQ_Q, SEQ_KV, RAG_DQ, RAG_DK, RAG_DV)
     return _Graph(g, uids, _build(g, fe))
 
 
 def _thd_backward(do, q, k, v, o, lse, causal, scale, cu_q, cu_kv):
+    q, k, v, o = _aligned_all(q, k, v, o)
+    do = _do_like_o(do, o)
     thd = _Thd(cu_q, cu_kv, causal)
     tokens, heads = q.shape[0], q.shape[1]
     # zeros: sequences without queries (or keys) must get zero gradients whether or not cuDNN visits them
@@ -585,7 +622,10 @@ def _thd_backward(do, q, k, v, o, lse, causal, scale, cu_q, cu_kv):
     stats = torch.zeros((thd.batch, heads, thd.s_max_q), dtype=torch.float32, device=q.device)
     lse32 = lse.to(torch.float32)
     stats[seq, :, pos] = torch.where(lse32 == float("-inf"), MASKED_ROW_LSE, lse32).t()
-    entry.run((q, k, v, o, do, stats.unsqueeze(-1), dq, dk, dv, *_thd_device_tensors(cu_q, cu_kv, heads)), q.device)
+    rag_qk, rag_kk, rag_v, rag_o, seq_q, seq_kv = _thd_device_tensors(cu_q, cu_kv, heads)
+    # dq, dk, dv are packed like q, k, v: their ragged offsets are the same numbers
+    entry.run((q, k, v, o, do, stats.unsqueeze(-1), dq, dk, dv, rag_qk, rag_kk, rag_v, rag_o, seq_q, seq_kv,
+               rag_qk, rag_kk, rag_v), q.device)
     if thd.masked_rows:
         dq.index_fill_(0, torch.tensor(thd.masked_rows, dtype=torch.int64, device=q.device), 0)
     return dq, dk, dv
@@ -662,6 +702,7 @@ def _mx_key(t: MXTensor):
 
 
 def _mx_forward(q, k, v, causal, scale, layout):
+    q, k, v = _aligned_mx(q), _aligned_mx(k), _aligned_mx(v)
     b, s_q = _seq_lengths(q, layout)
     s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
@@ -751,8 +792,11 @@ def _mx_backward(do, q, k, v, o, lse, causal, scale, layout):
     s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
     dev = q.data.device
-    if not lse.is_contiguous():
-        lse = lse.contiguous()
+    q, k, v = _aligned_mx(q), _aligned_mx(k), _aligned_mx(v)
+    (o,) = _aligned_all(o)
+    do = _do_like_o(do, o)
+    if not lse.is_contiguous() or lse.data_ptr() % 16:
+        lse = lse.clone(memory_format=torch.contiguous_format)
     ops = _mx_backward_operands(do, q, k, v, layout)
     q_t, k_t, v_d, do_d, do_t = ops
     key = ("bwd_mx", layout, _mx_key(q), _mx_key(k), _mx_key(v), o.stride(), do.stride(), causal, scale,
