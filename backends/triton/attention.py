@@ -86,8 +86,8 @@ def _seq_bucket(n: int) -> int:
     return max(64, triton.next_power_of_2(max(int(n), 1)))
 
 
-def _fwd_configs():
-    if interpret_mode():
+def _fwd_configs(interpret=None):
+    if interpret_mode() if interpret is None else interpret:
         # Small tiles so the tiny CPU test shapes cross several blocks and both loop stages;
         # BLOCK_M != BLOCK_N exercises a diagonal band wider than one key block.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
@@ -99,8 +99,8 @@ def _fwd_configs():
     ]
 
 
-def _dkdv_configs():
-    if interpret_mode():
+def _dkdv_configs(interpret=None):
+    if interpret_mode() if interpret is None else interpret:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
     return [
         # 128 keys over two warpgroups (64 each): dk + dv are 160 fp32 registers per thread.
@@ -113,8 +113,8 @@ def _dkdv_configs():
     ]
 
 
-def _dq_configs():
-    if interpret_mode():
+def _dq_configs(interpret=None):
+    if interpret_mode() if interpret is None else interpret:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
@@ -776,7 +776,8 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
     common = (geo.heads, geo.seq_q, geo.seq_kv, scale * LOG2E, scale)
     # Atomic mode: unscaled fp32 dq sums (zeroed by the autotuner's reset before its final run too).
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
-    if geo.max_kv:
+
+    def dkdv():
         _mla_bwd_dkdv_kernel[lambda meta: (bh, triton.cdiv(geo.max_kv, meta["BLOCK_N"]))](
             q, k, v, do, lse2, delta, dk, dv, dq_acc, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
@@ -784,6 +785,15 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
             *_bsh_strides(dq_acc, layout), *geo.lse_strides, *common, _seq_bucket(geo.max_kv),
             CAUSAL=bool(causal), VARLEN=geo.varlen, ATOMIC_DQ=atomic,
         )
+
+    if geo.max_kv:
+        tuned = len(getattr(_mla_bwd_dkdv_kernel, "cache", {}))
+        dkdv()
+        if atomic and len(getattr(_mla_bwd_dkdv_kernel, "cache", {})) != tuned:
+            # This call autotuned: the timing runs added into dq_acc too. Recent Triton zeroes
+            # reset_to_zero arguments before the final run, older ones may not; redo it from zero.
+            dq_acc.zero_()
+            dkdv()
     if atomic:
         dq.copy_(dq_acc * scale)  # one fp32 multiply, then RN to bf16 (as the dq kernel's epilogue)
         return dq, dk, dv

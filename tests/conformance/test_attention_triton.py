@@ -243,6 +243,25 @@ def test_varlen_empty_sequences(target, causal):
     assert np.all(dk[20:45] == 0) and np.all(dv[20:45] == 0)
 
 
+def test_gpu_tile_configs(target, monkeypatch):
+    """Every autotune config the GPU may pick, forced one at a time (the interpreter otherwise runs
+    only its own small tiles): the masking stages depend on BLOCK_M / BLOCK_N."""
+    from backends.triton import attention as attn
+
+    kernels = (attn._mla_fwd_kernel, attn._mla_bwd_dkdv_kernel, attn._mla_bwd_dq_kernel)
+    config_lists = (attn._fwd_configs(False), attn._dkdv_configs(False), attn._dq_configs(False))
+    for kernel in kernels:
+        monkeypatch.setattr(kernel, "configs", kernel.configs)
+        monkeypatch.setattr(kernel, "cache", {})
+    q, k, v, do = make_inputs(29, 1, 77, 140, 1, "bshd")
+    for i in range(max(len(c) for c in config_lists)):
+        for kernel, configs in zip(kernels, config_lists):
+            kernel.configs = [configs[i % len(configs)]]
+            kernel.cache = {}
+        what = " / ".join(str(c[i % len(c)].kwargs) for c in config_lists)
+        _forward_and_backward(target, q, k, v, do, "bshd", _kw(True, "bshd"), what=what)
+
+
 @pytest.mark.parametrize("layout,causal", [("bshd", True), ("thd", False)])
 def test_backward_atomic_dq(target, layout, causal, monkeypatch):
     """The opt-in BWD_DQ = "atomic" path (dq summed by atomics in the dkdv kernel)."""
