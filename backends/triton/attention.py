@@ -25,8 +25,8 @@ Kernel design
   code -> fp32, times 2^(e-127) built from the scale byte's bits (one fp32 multiply, exact: a code has
   4 significant bits), then -> bf16 for the tensor-core dot. That last conversion is exact whenever
   the value is at least 2^-130 in magnitude (bf16 keeps 8 significant bits down to 2^-126 and loses
-  them one by one below); smaller values (scale bytes below ~10, never seen in attention inputs) are
-  rounded once to bf16. Scale byte 255 gives a NaN block, as the spec. q/k scales are loaded as
+  them one by one below), hence for every code of a block whose scale byte is >= 6 (e4m3) or >= 13
+  (e5m2); smaller values, never seen in attention inputs, are rounded once (RN) to bf16. Scale byte 255 gives a NaN block, as the spec. q/k scales are loaded as
   [rows, groups] and broadcast over the 32 features of each group; v scales are rows of
   [S/32, H, 128] selected by token // 32 (the global token index, so thd blocks may straddle
   sequences, as in the spec). P is *not* quantized (cuDNN quantizes P to e4m3 with a fixed x16
@@ -44,8 +44,14 @@ Kernel design
   varies from run to run. MXFP8 operands are dequantized to bf16 once (exactly,
   same rule as above) before the backward kernels: every q block is re-read by every key block, so a
   one-pass dequantize costs less than dequantizing in each program.
-- Register budget (H200, 64K 32-bit registers per SM): the dkdv program holds fp32 dk + dv
-  [BLOCK_N, 320]: BLOCK_N = 64 over 8 warps is 80 registers per thread; 128 would not fit.
+- Tiles (checked by compiling for sm90 without a GPU: registers, spills, shared memory, wgmma use).
+  Forward: BLOCK_M 128 x BLOCK_N 64 over 8 warps (two warpgroups, 64 query rows each), 2-3 stages:
+  ~185 registers, 128-170 KB shared memory, no spills; also 128 x 128 and 64 x 64 / 4 warps.
+  dkdv: the program holds fp32 dk + dv [BLOCK_N, 320]: BLOCK_N 128 over 8 warps is 160 registers
+  per thread, so query blocks are 32 rows (64 would spill); BLOCK_N 64 halves the accumulators but
+  Triton then computes the [64, BLOCK_M] score tile in both warpgroups. dq: BLOCK_M 128 x BLOCK_N 64
+  or 32 over 8 warps. The autotuner picks per (sequence-length bucket, causal, layout kind, MXFP8
+  operands).
 """
 from __future__ import annotations
 
