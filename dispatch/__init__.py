@@ -36,6 +36,18 @@ PRIORITY = {"cuda": ("cudnn", "triton", "torch"), "cpu": ("torch",), None: ()}
 _cache: Dict[tuple, Any] = {}
 _cache_lock = threading.Lock()
 
+# os.environ.get costs about a microsecond (key encoding); on POSIX the mapping keeps its raw bytes in
+# a dict that every assignment through os.environ updates, so the hot path reads that dict instead.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = ENV_VAR.encode() if os.name == "posix" else ENV_VAR.upper()
+if not isinstance(_ENV_DATA, dict):  # pragma: no cover - other platforms
+    _ENV_DATA, _ENV_KEY = os.environ, ENV_VAR
+
+
+def _env_raw():
+    """The variable's current value, raw (bytes on POSIX): only compared and used as a cache key."""
+    return _ENV_DATA.get(_ENV_KEY)
+
 
 def _check_op(op: str) -> None:
     if op not in OPS:
@@ -89,12 +101,12 @@ def _evaluate(op: str, candidates, args, kwargs) -> Tuple[Optional[Any], Dict[st
     return None, reasons
 
 
-def _select(op: str, backend: Optional[str], args, kwargs):
-    env = os.environ.get(ENV_VAR) if backend is None else None
-    key = (op, backend, env, call_signature(args, kwargs))
-    impl = _cache.get(key)
-    if impl is not None:
-        return impl
+def _select(op: str, backend: Optional[str], args, kwargs, key=None):
+    if key is None:
+        key = (op, backend, _env_raw() if backend is None else None, call_signature(args, kwargs))
+        impl = _cache.get(key)
+        if impl is not None:
+            return impl
     _check_op(op)
     _backends.load()
     with shape_checks_only():
@@ -115,7 +127,12 @@ def _select(op: str, backend: Optional[str], args, kwargs):
 
 def run(op: str, *args, backend: Optional[str] = None, **kwargs):
     """Run `op` on the chosen backend. See the module docstring for how the choice is made."""
-    return _select(op, backend, args, kwargs).fn(*args, **kwargs)
+    # The cache lookup is inlined: this path is every call's overhead.
+    key = (op, backend, _ENV_DATA.get(_ENV_KEY) if backend is None else None, call_signature(args, kwargs))
+    impl = _cache.get(key)
+    if impl is None:
+        impl = _select(op, backend, args, kwargs, key)
+    return impl.fn(*args, **kwargs)
 
 
 def select(op: str, *args, backend: Optional[str] = None, **kwargs) -> str:

@@ -1,5 +1,8 @@
 """A hashable call signature: what a capability check may depend on (dtype, shape, strides, device,
-MXFP8 state, scalar keyword values), and nothing that needs the data itself."""
+MXFP8 state, scalar keyword values), and nothing that needs the data itself.
+
+This runs on every dispatched call, so the common case (torch tensors, scalars) is a short path.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -13,10 +16,14 @@ try:
 except ImportError:  # pragma: no cover
     _Tensor = ()
 
+_SCALARS = (int, float, str, bool, type(None))
+
 
 def _value_sig(v: Any):
     if isinstance(v, _Tensor):
         return (v.dtype, v.shape, v.stride(), v.device)
+    if type(v) in _SCALARS:
+        return v
     if isinstance(v, MXTensor):
         return ("mx", v.axis, v.elem, v.scale_layout, _value_sig(v.data), _value_sig(v.scale))
     if hasattr(v, "shape") and hasattr(v, "dtype"):  # NumPy
@@ -31,7 +38,8 @@ def _value_sig(v: Any):
 
 
 def call_signature(args: tuple, kwargs: dict):
-    return (
-        tuple(_value_sig(a) for a in args),
-        tuple(sorted((k, _value_sig(v)) for k, v in kwargs.items())) if kwargs else (),
-    )
+    # Keyword order is kept (not sorted): one call site always passes the same order, and a different
+    # order only costs one more cache entry.
+    if kwargs:
+        return tuple(map(_value_sig, args)), tuple((k, _value_sig(v)) for k, v in kwargs.items())
+    return tuple(map(_value_sig, args))
