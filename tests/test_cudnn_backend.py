@@ -256,6 +256,44 @@ def test_pack_attention_scales_matches_spec(layout, swizzled, s_q, s_kv):
         assert_bytes_equal(got, want, f"{role} {layout} swizzled={swizzled}")
 
 
+def plane_major_reference(t_np, layout):
+    """The frontend's dense columnwise F8_128x4 order, built element by element from its documented
+    atom formula: scale (b, h, s_blk, d) at atom plane*(B*H*T) + (b*H + h)*T + s_blk//4, byte
+    (r % 32)*16 + (r // 32)*4 + s_blk % 4, r = d % 128, plane = d // 128, T = roundup(S/32, 4)/4."""
+    scale = np.asarray(spec.unswizzle_scales(t_np).scale)
+    if layout == "sbhd":
+        scale = np.swapaxes(scale, 0, 1)  # -> [B, S/32, H, D]
+    b, sb, h, d = scale.shape
+    ss, dp = -(-sb // 4) * 4, -(-d // 128) * 128
+    t_per = ss // 4
+    out = np.zeros(b * h * ss * dp, dtype=np.uint8)
+    for bi in range(b):
+        for hi in range(h):
+            for blk in range(sb):
+                for di in range(d):
+                    atom = (di // 128) * (b * h * t_per) + (bi * h + hi) * t_per + blk // 4
+                    r = di % 128
+                    out[atom * 512 + (r % 32) * 16 + (r // 32) * 4 + blk % 4] = scale[bi, blk, hi, di]
+    return out.reshape(b, h, ss, dp)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sbhd"])
+@pytest.mark.parametrize("d", [128, 192])
+def test_pack_columnwise(layout, d):
+    """D <= 128: spec's bytes. D > 128 (the backward's q_T, k_T): the frontend's D-plane-major order,
+    which differs from spec's per-(b, h) packing (module docstring of backends/cudnn/_scales.py)."""
+    rng = np.random.default_rng(4)
+    shape = (2, 96, 3, d) if layout == "bshd" else (96, 2, 3, d)
+    x = (rng.standard_normal(shape) * 2.0 ** rng.integers(-9, 9, size=shape[:-1] + (1,))).astype(np.float32)
+    t_np = spec.mxfp8_quantize(x, axis=1 if layout == "bshd" else 0)
+    got = _scales.pack_columnwise(to_torch(t_np), layout)
+    want = plane_major_reference(t_np, layout)
+    assert_bytes_equal(got, want, f"plane-major d={d}")
+    spec_bytes = spec.pack_attention_scales(t_np, "v", layout)
+    assert spec_bytes.shape == want.shape
+    assert np.array_equal(spec_bytes, want) == (d <= 128)
+
+
 def test_pack_attention_scales_poisoned_padding_is_zero():
     """Padding bytes must be 0 whatever the allocator held: pack a 255-filled scale tensor."""
     data = torch.zeros(1, 40, 2, 192, dtype=torch.float8_e4m3fn)
@@ -883,9 +921,9 @@ def test_mxfp8_backward_graph(fake, layout):
     for uid, t in ((att.O, o), (att.DO, do)):
         assert g.by_uid(uid)["data_type"] == "BFLOAT16" and pack[uid].data_ptr() == t.data_ptr()
     scales = {att.SF_Q: (q_np, "qk", qk_scale_decl(b, h, s_q)),
-              att.SF_Q_T: (q_t, "v", s_scale_decl(b, h, s_q, 192)),
+              att.SF_Q_T: (q_t, "plane-major", s_scale_decl(b, h, s_q, 192)),
               att.SF_K: (k_np, "qk", qk_scale_decl(b, h, s_kv)),
-              att.SF_K_T: (k_t, "v", s_scale_decl(b, h, s_kv, 192)),
+              att.SF_K_T: (k_t, "plane-major", s_scale_decl(b, h, s_kv, 192)),
               att.SF_V: (v_d, "qk", [[b, h, 128, 4], [h * 128 * 4, 128 * 4, 4, 1]]),
               att.SF_DO: (do_d, "qk", [[b, h, 128, 4], [h * 128 * 4, 128 * 4, 4, 1]]),
               att.SF_DO_T: (do_t, "v", s_scale_decl(b, h, s_q, 128))}
@@ -893,7 +931,9 @@ def test_mxfp8_backward_graph(fake, layout):
         decl = g.by_uid(uid)
         assert (decl["dim"], decl["stride"], decl["data_type"], decl["reordering_type"]) == (d, s, "FP8_E8M0", "F8_128x4")
         assert_bound(pack[uid], decl)
-        assert_bytes_equal(e8m0_bytes(pack[uid]), spec.pack_attention_scales(mx, role, layout), f"scale uid {uid}")
+        want = (plane_major_reference(mx, layout) if role == "plane-major"
+                else spec.pack_attention_scales(mx, role, layout))
+        assert_bytes_equal(e8m0_bytes(pack[uid]), want, f"scale uid {uid}")
     assert g.by_uid(att.STATS)["dim"] == [b, h, s_q, 1]
     for out, like in zip(outs[:3], (q, k, v)):
         dd, ss = bhsd(like.shape, contig_strides(like.shape), layout)
@@ -945,9 +985,6 @@ def test_rope_is_not_registered_for_cudnn():
 # Running the conformance cases of tests/conformance/test_attention.py through it checks the
 # backend's plumbing end to end on CPU; cuDNN's arithmetic itself is checked only on the GPU.
 
-from spec.swizzle import unswizzle_matrix  # noqa: E402
-
-
 def _e8m0_value(e: np.ndarray) -> np.ndarray:
     e = e.astype(np.int64)
     out = np.where(e == 0, 2.0 ** -127, np.exp2((e - 127).astype(np.float64)))
@@ -991,29 +1028,31 @@ class Emulator:
 
     @staticmethod
     def _scales(pack, sdecl, lens, d):
-        """Per batch [H, len, D] fp32 scale multipliers from an F8_128x4 E8M0 tensor."""
+        """Per batch [H, len, D] fp32 scale multipliers from an F8_128x4 E8M0 tensor, read with the
+        frontend's documented atom order (not with this backend's packing code): rowwise (stride 1 on
+        the last dim) atom ((b*H + h) * S'/128 + s//128) * C'/4 + j//4; columnwise (stride 1 on dim 2)
+        atom plane * (B*H*T) + (b*H + h) * T + s_tile (D-plane-major); byte in an atom
+        (r % 32) * 16 + (r // 32) * 4 + c."""
         buf = pack[sdecl["uid"]]
         raw = buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
-        flat = torch.as_strided(raw, (raw.numel(),), (1,), 0) if raw.is_contiguous() else None
-        dims, strides = sdecl["dim"], sdecl["stride"]
-        if flat is None:  # a strided view of a packed buffer: recover the buffer
-            flat = raw.transpose(2, 3).contiguous().view(-1)
-        flat = flat.numpy()
-        by_rows_d = strides[2] == 1  # v-role: rows = D (dim 3), cols = S/32 (dim 2)
-        rows, cols = (dims[3], dims[2]) if by_rows_d else (dims[2], dims[3])
+        flat = raw.numpy().reshape(-1) if raw.is_contiguous() else raw.transpose(2, 3).contiguous().numpy().reshape(-1)
+        nb, nh, x, y = sdecl["dim"]
+        columnwise = sdecl["stride"][2] == 1
         out = []
         for b, n in enumerate(lens):
-            per_head = []
-            for h in range(dims[1]):
-                base = b * strides[0] + h * strides[1]
-                m = unswizzle_matrix(flat[base:base + rows * cols], rows, cols)
-                m = m.T if by_rows_d else m  # -> [S or S/32, D/32 or D]
-                if by_rows_d:
-                    m = np.repeat(m[: n // 32, :d], 32, axis=0)
-                else:
-                    m = np.repeat(m[:n, : d // 32], 32, axis=1)
-                per_head.append(_e8m0_value(m))
-            out.append(torch.from_numpy(np.stack(per_head)).float())
+            hh, ss, dd = np.meshgrid(np.arange(nh), np.arange(n), np.arange(d), indexing="ij")
+            g = b * nh + hh
+            if columnwise:  # dims [B, H, S'' (S/32 blocks), D']
+                blk, r, plane = ss // 32, dd % 128, dd // 128
+                t_per = x // 4
+                atom = plane * (nb * nh * t_per) + g * t_per + blk // 4
+                c = blk % 4
+            else:  # dims [B, H, S', C' (D/32 blocks)]
+                j, r = dd // 32, ss % 128
+                atom = (g * (x // 128) + ss // 128) * (y // 4) + j // 4
+                c = j % 4
+            byte = atom * 512 + (r % 32) * 16 + (r // 32) * 4 + c
+            out.append(torch.from_numpy(_e8m0_value(flat[byte])).float())
         return out
 
     def _write(self, pack, decl, lens, values, dtype):

@@ -8,6 +8,16 @@ role "v" (blocked along S): the [D, S/32] matrix's bytes in an array shaped
 [B, H, roundup(S/32,4), roundup(D,128)], which cuDNN reads as that logical shape with the S/32 dim
 fastest (`v_role_view`). Swizzled input scales are unswizzled first.
 
+Columnwise (S-blocked) scales with D > 128 -- the MXFP8 backward's q_T and k_T, D = 192 padded to 256 --
+are where spec and the frontend part ways. spec packs each (batch, head) separately, so the two
+128-row D planes of one (b, h) sit next to each other. The frontend 1.32 documents the dense
+columnwise layout as D-plane-major over the whole tensor: atom (plane, g = b*H + h, s_tile) at
+`plane * (B*H*T) + g * T + s_tile` (cudnn/sdpa/kernels/_mxfp8_sf.py, build_columnwise_sf_desc;
+cudnn/sdpa/bwd/kernels/sm107/prepared_host.py, _pad_sf_atoms; the sdpa_mxfp8 docstring's paged-pool
+note). `pack_columnwise` follows the frontend: for D <= 128 (one plane; forward V, dO_T) its bytes
+equal spec's, for D > 128 it writes the plane-major order (`pack_columnwise_plane_major`). Both are
+tested (tests/test_cudnn_backend.py); SEMANTICS 3 should say which one it means for D > 128.
+
 `mla_q_uproj_rope_quant`'s q_row ([T, H, 192] blocked along D, compact [T, H, 6] scales) is one
 sequence in thd layout: `thd_as_bshd` views it as bshd [1, T, H, 192] (no copy), after which the
 "qk" packing applies (checked against spec byte for byte in tests/test_cudnn_backend.py).
@@ -79,6 +89,30 @@ def pack_attention_scales(t: MXTensor, role: str, layout: str = "bshd") -> torch
     swz = swizzle_matrix(scale.permute(b_axis, 2, 3, s_axis))  # [B, H, D, S/32] -> [B, H, D', S'']
     b, h, dp, sp = swz.shape
     return swz.view(b, h, sp, dp)
+
+
+def pack_columnwise_plane_major(t: MXTensor, layout: str = "bshd") -> torch.Tensor:
+    """S-blocked scales of a bshd / sbhd MXTensor in the frontend's dense columnwise order: the matrix
+    [D', B*H*S''] (D padded to 128, each (b, h)'s S/32 blocks padded to 4) swizzled as one, so the
+    F8_128x4 atoms run plane-major, then (b, h), then S tile. Returned as [B, H, S'', D'] bytes
+    (contiguous; the same byte count as spec's packing)."""
+    b_axis, s_axis = _axes(layout)
+    if t.ndim != 4 or t.axis != s_axis:
+        raise ValueError(f"t: expected a 4-D {layout} MXTensor blocked along axis {s_axis}, got {t.shape} axis {t.axis}")
+    scale = compact_scales(t).permute(3, b_axis, 2, s_axis)  # [D, B, H, S/32]
+    d, b, h, sb = scale.shape
+    dp, sp = _roundup(d, SWIZZLE_ROWS), _roundup(sb, SWIZZLE_COLS)
+    padded = scale.new_zeros((dp, b, h, sp))
+    padded[:d, :, :, :sb] = scale
+    return swizzle_matrix(padded.view(dp, b * h * sp)).view(b, h, sp, dp)
+
+
+def pack_columnwise(t: MXTensor, layout: str = "bshd") -> torch.Tensor:
+    """The columnwise scale bytes cuDNN's MXFP8 SDPA reads (module docstring): spec's packing when D
+    fits one 128-row plane (identical bytes then), the frontend's plane-major order otherwise."""
+    if _roundup(t.shape[3], SWIZZLE_ROWS) == SWIZZLE_ROWS:
+        return pack_attention_scales(t, "v", layout)
+    return pack_columnwise_plane_major(t, layout)
 
 
 def v_role_view(packed: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,9 @@ What runs where
   `pygraph.sdpa_mxfp8_backward`, compute capability 10.x, cuDNN >= 9.21 except 9.23.0 / 9.23.1, bshd
   and sbhd only. Written against the frontend 1.32 documentation and sources; NOT run by this
   project (no sm100 machine). Scale tensors are E8M0 with F8_128x4 reordering, per (batch, head),
-  byte-identical to spec.swizzle.pack_attention_scales (backends/cudnn/_scales.py).
+  byte-identical to spec.swizzle.pack_attention_scales (backends/cudnn/_scales.py) -- except the
+  backward's S-blocked q_T / k_T (D = 192 > 128), which follow the frontend's documented D-plane-major
+  order instead (see backends/cudnn/_scales.py: spec and frontend disagree there).
 
 Choices, where SEMANTICS.md 8 leaves room
 - Causal masking is bottom-right aligned (SEMANTICS 8). When S_q == S_kv both alignments coincide and
@@ -55,7 +57,7 @@ from spec.mxtensor import MXTensor
 
 from ..registry import register
 from . import _common
-from ._scales import compact_scales, pack_attention_scales, v_role_strides, v_role_view
+from ._scales import compact_scales, pack_attention_scales, pack_columnwise, v_role_strides, v_role_view
 
 D_QK, D_V = MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM
 MIN_CUDNN_BF16 = _common.version_int(9, 10, 2)
@@ -711,7 +713,7 @@ def _mx_forward(q, k, v, causal, scale, layout):
     entry = _cached(key, lambda: _build_mx_fwd(q, k, v, causal, scale, layout, bottom_right))
     sf_q = pack_attention_scales(q, "qk", layout)
     sf_k = pack_attention_scales(k, "qk", layout)
-    sf_v = pack_attention_scales(v, "v", layout)
+    sf_v = pack_columnwise(v, layout)  # D_v = 128: spec's bytes
     o = torch.empty(_out_shape(q.shape, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((b, q.shape[2], s_q), dtype=torch.float32, device=dev)
     amax = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=dev)
@@ -803,10 +805,10 @@ def _mx_backward(do, q, k, v, o, lse, causal, scale, layout):
            bottom_right, q.data.get_device())
     entry = _cached(key, lambda: _build_mx_bwd(do, q, k, v, o, ops, causal, scale, layout, bottom_right))
     packs = (
-        (pack_attention_scales(q, "qk", layout), "qk"), (pack_attention_scales(q_t, "v", layout), "v"),
-        (pack_attention_scales(k, "qk", layout), "qk"), (pack_attention_scales(k_t, "v", layout), "v"),
+        (pack_attention_scales(q, "qk", layout), "qk"), (pack_columnwise(q_t, layout), "v"),
+        (pack_attention_scales(k, "qk", layout), "qk"), (pack_columnwise(k_t, layout), "v"),
         (pack_attention_scales(v_d, "qk", layout), "qk"), (pack_attention_scales(do_d, "qk", layout), "qk"),
-        (pack_attention_scales(do_t, "v", layout), "v"),
+        (pack_columnwise(do_t, layout), "v"),
     )
     dq = torch.empty(q.shape, dtype=torch.bfloat16, device=dev)
     dk = torch.empty(k.shape, dtype=torch.bfloat16, device=dev)
