@@ -12,9 +12,11 @@ Columnwise (S-blocked) scales with D > 128 -- the MXFP8 backward's q_T and k_T, 
 are where spec and the frontend part ways. spec packs each (batch, head) separately, so the two
 128-row D planes of one (b, h) sit next to each other. The frontend 1.32 documents the dense
 columnwise layout as D-plane-major over the whole tensor: atom (plane, g = b*H + h, s_tile) at
-`plane * (B*H*T) + g * T + s_tile` (cudnn/sdpa/kernels/_mxfp8_sf.py, build_columnwise_sf_desc;
-cudnn/sdpa/bwd/kernels/sm107/prepared_host.py, _pad_sf_atoms; the sdpa_mxfp8 docstring's paged-pool
-note). `pack_columnwise` follows the frontend: for D <= 128 (one plane; forward V, dO_T) its bytes
+`plane * (B*H*T) + g * T + s_tile` -- the swizzle of the whole [D, (B*H*S)/32] matrix that TE's
+`swizzle_col_scaling_kernel` produces, "the 128-row D tile OUTSIDE the head plane"
+(cudnn/sdpa/bwd/kernels/sm100/bprop_sf_repack_mxfp8.py, which also states that the two orders
+coincide for D <= 128; cudnn/sdpa/kernels/_mxfp8_sf.py, build_columnwise_sf_desc; the sdpa_mxfp8
+docstring's paged-pool note). `pack_columnwise` follows the frontend: for D <= 128 (one plane; forward V, dO_T) its bytes
 equal spec's, for D > 128 it writes the plane-major order (`pack_columnwise_plane_major`). Both are
 tested (tests/test_cudnn_backend.py); SEMANTICS 3 should say which one it means for D > 128.
 
