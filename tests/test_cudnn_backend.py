@@ -746,7 +746,7 @@ def test_thd_forward_graph(fake):
     FakeGraph.on_execute = hook
     o, lse = att.mla_attention(q, k, v, causal=True, layout="thd", cu_seqlens_q=cq, cu_seqlens_kv=ckv)
     (g,) = FakeGraph.instances
-    b, h, smq, smkv = 4, 2, 83, 126
+    b, h, smq, smkv = 4, 2, 128, 128  # longest sequences 83 and 126, bucketed to 128
     assert g.by_uid(att.Q)["dim"] == [b, h, smq, 192] and g.by_uid(att.Q)["stride"] == [smq * h * 192, 192, h * 192, 1]
     assert g.by_uid(att.V)["dim"] == [b, h, smkv, 128] and g.by_uid(att.V)["stride"] == [smkv * h * 128, 128, h * 128, 1]
     for uid, rag in ((att.Q, att.RAG_QK), (att.K, att.RAG_KK), (att.V, att.RAG_V)):
@@ -777,6 +777,21 @@ def test_thd_forward_graph(fake):
             assert float(lse[hh, t]) == want, (hh, t)
         assert bool((o[t] == (0 if t in masked else 1)).all()), t
     assert lse.shape == (h, 200) and o.shape == (200, h, 128)
+
+
+def test_thd_graph_reused_across_packings(fake):
+    """Packed batches with other lengths (same B, longest sequence in the same 128 bucket) reuse the
+    forward graph; the backward's key also holds the token totals rounded to 64."""
+    before = att.build_count
+    for cu in ([0, 40, 100], [0, 90, 110], [0, 7, 136]):
+        q, k, v, do, cq, ckv = thd_inputs(cu, cu)
+        o, lse = att.mla_attention(q, k, v, causal=True, layout="thd", cu_seqlens_q=cq, cu_seqlens_kv=ckv)
+    assert att.build_count == before + 2  # [0, 7, 136]: longest 129 -> bucket 256
+    for cu in ([0, 40, 100], [0, 60, 120]):
+        q, k, v, do, cq, ckv = thd_inputs(cu, cu)
+        att.mla_attention_backward(do, q, k, v, do, torch.zeros(2, cu[-1]), causal=True, layout="thd",
+                                   cu_seqlens_q=cq, cu_seqlens_kv=ckv)
+    assert att.build_count == before + 3  # totals 100 and 120 both round to 128
 
 
 def test_thd_equal_lengths_use_top_left_and_no_masking(fake):

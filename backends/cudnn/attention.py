@@ -461,6 +461,13 @@ def _backward_leading_masked(run_bwd, do, q, k, v, o, lse, causal, scale, layout
 # bf16, thd (ragged offsets + padding mask)
 # --------------------------------------------------------------------------------------------------
 
+THD_S_BUCKET = 128
+
+
+def _bucket(n: int) -> int:
+    return -(-n // THD_S_BUCKET) * THD_S_BUCKET
+
+
 class _Thd:
     """Host view of the packed sequences: lengths, maxima, mask alignment, fully masked token rows."""
 
@@ -473,7 +480,9 @@ class _Thd:
         lq = [b - a for a, b in zip(cq, cq[1:])]
         lkv = [b - a for a, b in zip(ckv, ckv[1:])]
         self.batch = n - 1
-        self.s_max_q, self.s_max_kv = max(lq), max(lkv)
+        # the graph's S_max is bucketed to 128: the padding mask carries the real lengths, and packed
+        # batches whose longest sequence varies a little reuse one graph
+        self.s_max_q, self.s_max_kv = _bucket(max(lq)), _bucket(max(lkv))
         self.bottom_right = causal and any(a != b for a, b in zip(lq, lkv))
         rows = []
         for start, nq, nkv in zip(cq, lq, lkv):
@@ -488,12 +497,13 @@ def _thd_geom(tokens_max: int, heads: int, d: int, batch: int):
     return [batch, heads, tokens_max, d], [tokens_max * heads * d, d, heads * d, 1]
 
 
-def _thd_tensors(g, fe, batch: int):
+def _thd_tensors(g, fe, batch: int, backward: bool):
     dt = fe.data_type
     shape = dict(dim=[batch + 1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
-    rag = {name: g.tensor(name=f"ragged_{name}", uid=uid, **shape)
-           for name, uid in (("qk", RAG_QK), ("kk", RAG_KK), ("v", RAG_V), ("o", RAG_O), ("dq", RAG_DQ),
-                             ("dk", RAG_DK), ("dv", RAG_DV))}
+    names = (("qk", RAG_QK), ("kk", RAG_KK), ("v", RAG_V), ("o", RAG_O))
+    if backward:
+        names += (("dq", RAG_DQ), ("dk", RAG_DK), ("dv", RAG_DV))
+    rag = {name: g.tensor(name=f"ragged_{name}", uid=uid, **shape) for name, uid in names}
     lens = dict(dim=[batch, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
     seq_q = g.tensor(name="seq_len_q", uid=SEQ_Q, **lens)
     seq_kv = g.tensor(name="seq_len_kv", uid=SEQ_KV, **lens)
@@ -527,7 +537,7 @@ def _build_thd_fwd(q, k, v, causal, scale, thd: _Thd):
     dt = fe.data_type
     g = _new_graph(fe, handle, dt.BFLOAT16)
     heads, batch = q.shape[1], thd.batch
-    rag, seq_q, seq_kv = _thd_tensors(g, fe, batch)
+    rag, seq_q, seq_kv = _thd_tensors(g, fe, batch, backward=False)
     qd, qs = _thd_geom(thd.s_max_q, heads, D_QK, batch)
     kd, ks = _thd_geom(thd.s_max_kv, heads, D_QK, batch)
     vd, vs = _thd_geom(thd.s_max_kv, heads, D_V, batch)
@@ -553,7 +563,9 @@ def _round64(n: int) -> int:
 
 
 def _thd_key(kind, q, k, causal, scale, thd: _Thd):
-    return (kind, q.shape, k.shape, causal, scale, thd.batch, thd.s_max_q, thd.s_max_kv, thd.bottom_right,
+    """Heads and the bucketed geometry; the backward also bakes the (rounded) token totals in."""
+    totals = (_round64(q.shape[0]), _round64(k.shape[0])) if kind == "bwd_thd" else ()
+    return (kind, q.shape[1], causal, scale, thd.batch, thd.s_max_q, thd.s_max_kv, thd.bottom_right, totals,
             q.get_device())
 
 
@@ -583,7 +595,7 @@ def _build_thd_bwd(q, k, v, causal, scale, thd: _Thd):
     dt = fe.data_type
     g = _new_graph(fe, handle, dt.BFLOAT16)
     heads, batch = q.shape[1], thd.batch
-    rag, seq_q, seq_kv = _thd_tensors(g, fe, batch)
+    rag, seq_q, seq_kv = _thd_tensors(g, fe, batch, backward=True)
     geo = {
         "q": (_thd_geom(thd.s_max_q, heads, D_QK, batch), rag["qk"], Q),
         "k": (_thd_geom(thd.s_max_kv, heads, D_QK, batch), rag["kk"], K),
