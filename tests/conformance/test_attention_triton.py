@@ -61,21 +61,30 @@ def target():
     return "triton", device
 
 
+class _PoisonedTorch:
+    """torch, except that empty / empty_like return NaN-filled float buffers (the backend's view of
+    torch only: triton and the tests keep the real module)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+    @staticmethod
+    def empty_like(x, **kwargs):
+        t = torch.empty_like(x, **kwargs)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
+
+
 @pytest.fixture(autouse=True)
 def poison_outputs(monkeypatch):
-    """Outputs are allocated with torch.empty: make every float buffer start as NaN."""
+    """Every buffer the backend allocates with torch.empty(_like) starts as NaN."""
     from backends.triton import attention as attn
 
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(attn.torch, "empty", poisoned_empty)
-    monkeypatch.setattr(attn.torch, "empty_like", lambda x, **kw: poisoned_empty(x.shape, dtype=kw.get("dtype", x.dtype), device=x.device))
+    monkeypatch.setattr(attn, "torch", _PoisonedTorch())
     yield
 
 
