@@ -14,12 +14,21 @@ Kernel design
   (fp8 codes shifted by 2^d lose bits or overflow), and a data-dependent "equal scales" fast path
   almost never fires on real weights, so it is not done.
   Cost model (H100/H200 SM, per output element per K block): the tensor core does 32 fp8 FMAs at
-  4096 FMA/clk/SM, the CUDA cores issue 2 instructions (FMUL for the scale product, FFMA) at
-  128 lanes/clk/SM. For a 128 x 128 tile with 8 warps that is 128 clk of wgmma against 256 clk of issue,
-  so this kernel is bound by the rescale at ~2x the fp8 tensor time, i.e. about the bf16 tensor-core
-  time of the same GEMM; it beats bf16 cuBLAS only if the rescale of one warpgroup overlaps the wgmma
-  of the other (two warpgroups per program, 8 warps; 16-warp configs give four). The benchmark
-  (benchmarks/bench_gemm.py) measures it against torch.matmul bf16 and torch._scaled_mm.
+  ~4096 FMA/clk/SM, the CUDA cores must issue at least 2 instructions (FMUL for the scale product,
+  FFMA) at 128 lanes/clk/SM: 2 * 32 / 128 = 1/2048 clk per FMA, exactly the bf16 tensor-core peak.
+  So on Hopper an exact MX-block-32 GEMM is bound by the rescale at ~ the bf16 peak, whatever the
+  fp8 rate; it can only beat bf16 cuBLAS by the margin by which cuBLAS misses the bf16 peak, and
+  only if the rescale of one warpgroup overlaps the wgmma of the other. Offline sm90 compiles (Triton
+  3.9 + ptxas) of the TMA kernel at 128 x 128 x 64, 8 warps, show 282 SASS instructions per warp per
+  K block (128 of them the FMUL/FFMA floor, the rest TMA/mbarrier bookkeeping, scale-vector shared
+  loads and loop control): ~560 issue cycles per 128 clk of fp8 wgmma, i.e. ~45% of the bf16 peak
+  -- expect this kernel at ~0.6-0.8x the speed of bf16 cuBLAS on the H200, not faster
+  (benchmarks/bench_gemm.py measures it; native MX on sm100 removes the rescale entirely).
+- Two sm90 kernels: "tma" (default on sm90 when the codes are TMA-addressable) loads the fp8 codes
+  as [BM, 32] / [BN, 32] TMA boxes and the scale factors, pre-expanded by a small kernel to fp32
+  [K/32, rows] vectors (2^(e-127), byte 0 -> 2^-127, 255 -> NaN, zero padded), as [1, BM] / [1, BN]
+  boxes, all through one shared-memory pipeline; "pointer" (any strides, sm89) uses cp.async loads
+  and decodes the scale bytes in the loop.
 - Scale bytes are read in the kernel from either layout: the swizzled (cuBLAS / F8_128x4) offset of
   S[i, j] is computed from SEMANTICS 3 step 3, so swizzled MXTensors need no unswizzle pass.
 - Grouped program order (GROUP_M tiles of M share each N tile) for L2 reuse; rows/columns past M/N
@@ -138,6 +147,57 @@ def _mxfp8_gemm_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
+# sm90 TMA kernel: same arithmetic, tiles by TMA, scales pre-expanded to fp32 [K/32, rows]
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _scale_f32_kernel(scale_ptr, out_ptr, R, KB, R_PAD, KB_PAD, stride_row, stride_col, col_groups,
+                      SWIZZLED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """out [KB_PAD, R_PAD] fp32 = 2^(S[r, kb] - 127) transposed (S compact or swizzled; byte 0 -> 2^-127,
+    255 -> NaN), zero past R / KB: each K block's scale vector is contiguous for the GEMM, and the
+    GEMM's main loop loads ready fp32 factors with no masks and no byte decoding."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kbs = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
+    inside = (rows < R)[:, None] & (kbs < KB)[None, :]
+    e = tl.load(scale_ptr + scale_offsets(rows[:, None], kbs[None, :], stride_row, stride_col, col_groups, SWIZZLED),
+                mask=inside, other=0).to(tl.int32)
+    v = tl.where(inside, scale_value(e), 0.0)
+    tl.store(out_ptr + kbs[None, :] * R_PAD + rows[:, None], v, mask=(rows < R_PAD)[:, None] & (kbs < KB_PAD)[None, :])
+
+
+@triton.jit
+def _mxfp8_gemm_tma_kernel(
+    a_desc, b_desc, sa_desc, sb_desc, c_ptr,
+    M, N, K, M_BUCKET, stride_cm, stride_cn,
+    OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """a_desc / b_desc: TMA descriptors of the fp8 codes with [BLOCK_M, 32] / [BLOCK_N, 32] boxes (one MX
+    block; zero fill past M, N, K). sa_desc / sb_desc: TMA descriptors of the fp32 factors
+    [K/32 padded, M_PAD / N_PAD] (zero past K, so a K step past the end adds 0 * 0) with [1, BLOCK_M] /
+    [1, BLOCK_N] boxes: the factors travel through the same shared-memory pipeline as the codes (plain
+    loads would be prefetched num_stages deep into registers and spill)."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // 32):
+            kk = k0 + j * 32
+            a = a_desc.load([m0, kk])
+            b = b_desc.load([n0, kk])
+            sa = tl.reshape(sa_desc.load([kk // 32, m0]), [BLOCK_M])
+            sb = tl.reshape(sb_desc.load([kk // 32, n0]), [BLOCK_N])
+            partial = tl.dot(a, tl.trans(b))  # one MX block: fp8 products, fp32 sum from +0
+            acc = tl.fma(partial, sa[:, None] * sb[None, :], acc)
+    out = round_f32_canonical_nan(acc, OUT_DTYPE)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
 # sm100 kernel: tl.dot_scaled (UNVERIFIED on hardware, see module docstring)
 # --------------------------------------------------------------------------------------------------
 @triton.jit
@@ -193,20 +253,33 @@ def _mxfp8_gemm_dot_scaled_kernel(
 # configs
 # --------------------------------------------------------------------------------------------------
 def _sm90_configs():
-    """A handful of tiles for the H200: 128 x 128 with 8 warps (two warpgroups: one rescales while
-    the other's wgmma runs), a 16-warp 128 x 256 / 256 x 128 (four warpgroups, 64 + 64 accumulator
-    registers per thread), and 64-row tiles for small M. fp8 stage = (BM + BN) * BK bytes."""
+    """Tiles for the H200 pointer kernel: 128 x 128 with 8 warps (two warpgroups: one rescales while the
+    other's wgmma runs) and 64-row tiles for small M. 16-warp 128 x 256 tiles were dropped: with the
+    partial and the accumulator both live (64 + 64 registers) they spill at the 128-register cap.
+    fp8 stage = (BM + BN) * BK bytes."""
     cfgs = []
-    for bm, bn, bk, warps, stages in (
-        (128, 128, 128, 8, 4),
-        (128, 128, 64, 8, 5),
-        (128, 256, 64, 16, 4),
-        (256, 128, 64, 16, 4),
-        (64, 128, 128, 4, 4),
-        (128, 64, 128, 4, 4),
-    ):
+    for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 4), (128, 128, 64, 8, 5), (64, 128, 128, 4, 4),
+                                      (128, 64, 128, 4, 4)):
         cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
                                   num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _tma_hook(nargs):
+    """Autotune pre-hook: TMA boxes are one MX block deep and one tile wide."""
+    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], 32]
+    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], 32]
+    nargs["sa_desc"].block_shape = [1, nargs["BLOCK_M"]]
+    nargs["sb_desc"].block_shape = [1, nargs["BLOCK_N"]]
+
+
+def _tma_configs():
+    """Same tiles as _sm90_configs, data by TMA (no address registers in the loop)."""
+    cfgs = []
+    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 6), (128, 128, 128, 8, 4), (128, 128, 32, 8, 8),
+                                      (64, 128, 128, 4, 4)):
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+                                  num_warps=warps, num_stages=stages, pre_hook=_tma_hook))
     return cfgs
 
 
@@ -234,6 +307,8 @@ _gemm_sm100 = triton.autotune(configs=_sm100_configs(), key=_KEY + ["A_FORMAT", 
     triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel))
 _gemm_sm100_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel)
 
+_gemm_tma = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "OUT_DTYPE"])(_mxfp8_gemm_tma_kernel)
+_FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=6)
 _FIXED_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 _FIXED_SM100 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 _INTERPRET = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
@@ -261,18 +336,92 @@ def _operand(t: MXTensor):
 
 
 def use_dot_scaled(device: torch.device) -> bool:
-    """tl.dot_scaled only where it is native (sm100+); sm89/sm90 run the per-block fp8 kernel."""
+    """tl.dot_scaled only where it is native (sm100+); sm89/sm90 run the per-block fp8 kernels."""
     return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (10, 0)
 
 
-def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
-    """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors."""
+def _tma_ok(t: torch.Tensor) -> bool:
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def gemm_variant(a: MXTensor, b: MXTensor) -> str:
+    """"dot_scaled" (sm100+), "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=tma|pointer
+    forces one of the sm90 kernels (the interpreter runs both); default: TMA on sm90 when the codes
+    qualify (unit K stride, 16-byte aligned rows), the pointer kernel otherwise."""
+    device = a.data.device
+    if use_dot_scaled(device):
+        return "dot_scaled"
+    choice = os.environ.get("MXMLA_TRITON_GEMM_VARIANT", "auto")
+    ok = _tma_ok(a.data) and _tma_ok(b.data)
+    if choice == "pointer" or not ok:
+        return "pointer"
+    if choice == "tma":
+        return "tma"
+    if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (9, 0):
+        return "tma"
+    return "pointer"
+
+
+def scale_factors_f32(t: MXTensor, rows_pad: int, kb_pad: int) -> torch.Tensor:
+    """fp32 [kb_pad, rows_pad]: 2^(e-127) of t's scale bytes transposed, zero padded (_scale_f32_kernel)."""
+    rows, k = t.data.shape
+    kb = k // 32
+    out = torch.empty((kb_pad, rows_pad), dtype=torch.float32, device=t.data.device)
+    if t.scale_layout == "swizzled":
+        srow, scol, groups, swz = 0, 0, -(-kb // 4), True
+    else:
+        srow, scol, groups, swz = t.scale.stride(0), t.scale.stride(1), 0, False
+    block_r, block_kb = 64, 16
+    grid = (triton.cdiv(rows_pad, block_r), triton.cdiv(kb_pad, block_kb))
+    _scale_f32_kernel[grid](t.scale, out, rows, kb, rows_pad, kb_pad, srow, scol, groups, SWIZZLED=swz,
+                            BLOCK_R=block_r, BLOCK_KB=block_kb, num_warps=4)
+    return out
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    # Pads cover the largest tile of any config (256) and the deepest K step (128).
+    m_pad, n_pad, kb_pad = _roundup(m, 256), _roundup(n, 256), _roundup(k, 128) // 32
+    sa = scale_factors_f32(a, m_pad, kb_pad)
+    sb = scale_factors_f32(b, n_pad, kb_pad)
+    cfg = config or (_INTERPRET if interpret_mode() else (None if _autotune_enabled() else _FIXED_TMA))
+    bm, bn = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg else (128, 128)
+    a_desc = TensorDescriptor(a.data, list(a.data.shape), list(a.data.stride()), [bm, 32])
+    b_desc = TensorDescriptor(b.data, list(b.data.shape), list(b.data.stride()), [bn, 32])
+    sa_desc = TensorDescriptor(sa, list(sa.shape), list(sa.stride()), [1, bm])
+    sb_desc = TensorDescriptor(sb, list(sb.shape), list(sb.stride()), [1, bn])
+    out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32
+    args = (a_desc, b_desc, sa_desc, sb_desc, out, m, n, k, m_bucket(m), out.stride(0), out.stride(1))
+    if cfg is not None:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _mxfp8_gemm_tma_kernel[grid](*args, OUT_DTYPE=out_dtype, **cfg)
+    else:
+        grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        _gemm_tma[grid](*args, OUT_DTYPE=out_dtype)
+    return out
+
+
+def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None, config=None) -> torch.Tensor:
+    """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors.
+    variant: "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed tile dict."""
     m, k = a.data.shape
     n = b.data.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
+    a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
+    b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
+    variant = variant or gemm_variant(a, b)
+    if variant == "tma":
+        return _launch_tma(a, b, out, config)
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
     b_data, b_scale, (sbr, sbc), b_groups, b_swz = _operand(b)
     out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32
@@ -280,14 +429,15 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Ten
             a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
             sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1))
     meta = dict(A_SWIZZLED=a_swz, B_SWIZZLED=b_swz, OUT_DTYPE=out_dtype)
-    if use_dot_scaled(a_data.device):
+    if variant == "dot_scaled":
         meta.update(A_FORMAT=_DOT_SCALED_FORMAT[a.elem], B_FORMAT=_DOT_SCALED_FORMAT[b.elem])
         tuned, fixed, cfg = _gemm_sm100, _gemm_sm100_fixed, _FIXED_SM100
     else:
         tuned, fixed, cfg = _gemm_sm90, _gemm_sm90_fixed, _FIXED_SM90
     if interpret_mode():
         cfg = _INTERPRET
-    if interpret_mode() or not _autotune_enabled():
+    cfg = config or cfg
+    if config is not None or interpret_mode() or not _autotune_enabled():
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         fixed[grid](*args, **meta, **cfg)
     else:
