@@ -1,0 +1,651 @@
+"""Autograd for the mxmla ops: torch.library custom ops (namespace "mxmla") plus thin wrappers.
+
+    import dispatch.autograd as mxag
+    y_row, y_col, rstd = mxag.rmsnorm_mxfp8(c_q, gamma)                       # MXFP8 outputs, tracked
+    w_row, w_col = mxag.mxfp8_quantize(w, axis=(1, 0))                        # straight-through
+    q_row, q_col = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos, sin,
+                                               quantize_grad=True, x_t=y_col, w_n=w_col)
+    o, lse = mxag.mla_attention(mxag.reshape_mx(q_row, (B, S, H, 192)), k, v, causal=True)
+    o.float().square().mean().backward()                                     # grads reach c_q, gamma, w
+
+Every forward and every backward is one `dispatch.run` call inside a custom op, with the same
+`backend=` argument (None: MXMLA_BACKEND or the automatic choice, read when the op runs), so a backend
+choice holds for both directions. The custom ops are opaque to torch.compile (no graph breaks inside
+them; `register_fake` gives their shapes), pass `torch.library.opcheck`, and contain no host
+synchronisation of their own, so CUDA graphs can capture them when the chosen backends can.
+
+## MXFP8 tensors in the autograd graph (straight-through)
+
+A custom op can only take and return tensors, and an MXFP8 value is two of them (codes, scales) that
+autograd cannot differentiate: fp8 codes would receive a gradient cast to fp8 (the engine casts every
+gradient to its input's dtype) and uint8 scales receive none. So every MXFP8 value that takes part in
+autograd carries a **gradient proxy**: a tensor of the value's logical shape that stands in for the
+dequantized values in the graph. It is a zero-filled 0-d tensor expanded to that shape (2 bytes of
+memory whatever the shape; its values are never read). An op producing MXFP8 outputs returns the
+proxy as a differentiable output; an op consuming an MXFP8 operand takes the proxy as an input and
+returns the gradient with respect to the dequantized operand in its place. `TrackedMXTensor` is an
+`MXTensor` holding its proxy, so the wrappers pass it along; codes cross the op boundary as uint8
+bit views (integer outputs are non-differentiable, and opcheck can sum them).
+
+Gradient definitions (SEMANTICS.md has none for training; these are the choices):
+- `mxfp8_quantize` / `mxfp8_dequantize`: identity (straight-through estimator). The gradient with
+  respect to the dequantized values is the gradient with respect to the input, cast to its dtype.
+- `mla_q_uproj_rope_quant`: the outputs q_row and q_col are the same q quantized twice and share one
+  bf16 proxy [T, H, 192]; the gradient arriving there is taken as dL/dq for the forward's fp32
+  pre-quantization q (straight through the quantizer) and goes to `mla_q_uproj_rope_quant_backward`
+  (RoPE transpose, then dx = g @ w and dw = g^T @ x, bf16). dx and dw are gradients with respect to
+  x and w, or to their dequantized values when they are MXFP8 (so they reach the proxies of tracked
+  inputs, e.g. an RMSNorm's y or a quantized weight's bf16 master). `quantize_grad=True` selects the
+  MXFP8 backward, which needs x and w blocked along T and N: pass `x_t` / `w_n` (the columnwise
+  copies a producer made) or give x / w in bf16 and the backend quantizes them.
+- `rmsnorm_mxfp8`: y_row and y_col share one fp32 proxy [T, D]; the gradient arriving there is taken
+  as dL/dy for the fp32 y = x * rstd * g before quantization, and dx, dgamma are that of RMSNorm:
+      xhat = x * rstd,  dgamma = sum_t dy * xhat,
+      dx = rstd * (dy * g - xhat * mean_D(dy * g * xhat)),
+  in fp32 (float64 inputs stay float64) with the forward's rstd; g = gamma (+ 1 when
+  zero_centered_gamma, whose gradient is the same). spec has no RMSNorm backward, so this is written
+  here in torch (`rmsnorm_backward`) and checked against finite differences in tests. rstd is an
+  output without gradient (marked non-differentiable).
+- `rope`: linear in x; dx = `rope_backward` (the exact transpose, SEMANTICS 4) in x's dtype. The
+  cos/sin tables are constants (no gradient), as are positions and sequence offsets.
+- `mla_attention`: o is differentiable, lse is not (marked non-differentiable). dq, dk, dv come from
+  `mla_attention_backward` in bf16, with respect to the dequantized q, k, v for MXFP8 operands.
+
+Double backward is not supported (the backward ops have no autograd formula).
+
+## Why custom ops throughout
+torch.autograd.Function would need no proxy, but torch.compile traces into its forward (and into
+`dispatch.run`, whose environment reads and caches are not traceable without graph breaks);
+custom ops are opaque to dynamo, so every wrapper here compiles with fullgraph=True. No op needed the
+Function fallback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+import dispatch as _dispatch
+from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.mxtensor import MXTensor
+
+__all__ = [
+    "TrackedMXTensor",
+    "mxfp8_quantize",
+    "mxfp8_dequantize",
+    "rope",
+    "mla_q_uproj_rope_quant",
+    "rmsnorm_mxfp8",
+    "rmsnorm_backward",
+    "mla_attention",
+    "reshape_mx",
+    "grad_proxy",
+    "OPS",
+]
+
+NAMESPACE = "mxmla"
+
+_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class TrackedMXTensor(MXTensor):
+    """An MXTensor that takes part in autograd: `grad_proxy` (a zero-filled, zero-stride tensor of the
+    logical shape; see the module docstring) receives the gradient with respect to its dequantized
+    values. A plain MXTensor passed to the wrappers is treated as a constant."""
+
+    grad_proxy: Any = None
+
+
+def grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
+    """A zero-filled tensor of `shape` backed by one element (every stride 0)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# Operand slots: how a plain tensor or an MXTensor crosses a custom-op boundary
+# --------------------------------------------------------------------------------------------------
+# Each operand is four arguments: value (the plain tensor, or the MXFP8 operand's gradient proxy, or
+# None for an untracked MXTensor), codes (uint8 view of the fp8 codes), scales (uint8) and a format
+# string "elem/scale_layout/axis" ("" for a plain tensor).
+
+
+def _format_of(t: MXTensor) -> str:
+    return f"{t.elem}/{t.scale_layout}/{t.axis}"
+
+
+def _parse_format(fmt: str) -> Tuple[str, str, int]:
+    elem, layout, axis = fmt.split("/")
+    return elem, layout, int(axis)
+
+
+def _slots(t: Any) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], str]:
+    if isinstance(t, MXTensor):
+        proxy = t.grad_proxy if isinstance(t, TrackedMXTensor) else None
+        return proxy, t.data.view(torch.uint8), t.scale, _format_of(t)
+    return t, None, None, ""
+
+
+def _mx_slots(t: Optional[MXTensor]) -> Tuple[Optional[Tensor], Optional[Tensor], str]:
+    """codes, scales, format of an MXTensor that only travels to the backward (no value slot)."""
+    if t is None:
+        return None, None, ""
+    return t.data.view(torch.uint8), t.scale, _format_of(t)
+
+
+def _operand(value: Optional[Tensor], codes: Optional[Tensor], scales: Optional[Tensor], fmt: str):
+    """The plain tensor, or the MXTensor the slots describe (for dispatch.run)."""
+    if not fmt:
+        return value
+    elem, layout, axis = _parse_format(fmt)
+    return MXTensor(codes.view(_FP8[elem]), scales, axis, elem, layout)
+
+
+def _logical_shape(value: Optional[Tensor], codes: Optional[Tensor], fmt: str) -> Tuple[int, ...]:
+    return tuple(codes.shape) if fmt else tuple(value.shape)
+
+
+def _device_of(*tensors: Optional[Tensor]) -> torch.device:
+    return next(t.device for t in tensors if t is not None)
+
+
+def _scale_shape(shape: Sequence[int], axis: int, layout: str) -> Tuple[int, ...]:
+    """Shape of the scale tensor of MXFP8 data `shape` blocked on `axis` (spec.mxtensor's rule)."""
+    compact = list(shape)
+    compact[axis] //= BLOCK_SIZE
+    if layout == "compact":
+        return tuple(compact)
+    rows = 1
+    for i, n in enumerate(shape):
+        if i != axis:
+            rows *= n
+    cols = shape[axis] // BLOCK_SIZE
+    return (-(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-cols // SWIZZLE_COLS) * SWIZZLE_COLS)
+
+
+def _tracked(codes: Tensor, scales: Tensor, axis: int, elem: str, layout: str, proxy: Tensor) -> TrackedMXTensor:
+    return TrackedMXTensor(codes.view(_FP8[elem]), scales, axis, elem, layout, proxy)
+
+
+def _grad_for(value: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tensor]:
+    """grad cast to the dtype of the slot it is returned for (None when there is no slot)."""
+    if value is None or grad is None:
+        return None
+    return grad.to(value.dtype)
+
+
+def _contiguous(t: Any) -> Any:
+    return t.contiguous() if isinstance(t, Tensor) else t
+
+
+# --------------------------------------------------------------------------------------------------
+# mxfp8_quantize / mxfp8_dequantize (straight-through)
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::mxfp8_quantize", mutates_args=())
+def _quantize_op(x: Tensor, axes: List[int], elem: str, scale_mode: str, nonfinite: str, scale_layout: str,
+                 backend: Optional[str]) -> List[Tensor]:
+    """[proxy, codes_0, scales_0, codes_1, scales_1, ...]: one (codes, scales) pair per axis."""
+    axis = tuple(axes) if len(axes) > 1 else axes[0]
+    outs = _dispatch.run("mxfp8_quantize", x, axis=axis, elem=elem, scale_mode=scale_mode,
+                         nonfinite=nonfinite, scale_layout=scale_layout, backend=backend)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    result = [grad_proxy(x.shape, x.dtype, x.device)]
+    for t in outs:
+        result += [t.data.view(torch.uint8).contiguous(), t.scale.contiguous()]
+    return result
+
+
+@_quantize_op.register_fake
+def _(x, axes, elem, scale_mode, nonfinite, scale_layout, backend):
+    result = [grad_proxy(x.shape, x.dtype, x.device)]
+    for a in axes:
+        a = a % x.dim()
+        result += [x.new_empty(x.shape, dtype=torch.uint8),
+                   x.new_empty(_scale_shape(x.shape, a, scale_layout), dtype=torch.uint8)]
+    return result
+
+
+def _quantize_setup(ctx, inputs, output):
+    ctx.x_dtype = inputs[0].dtype
+
+
+def _quantize_backward(ctx, grads):
+    g = grads[0]
+    return (None if g is None else g.to(ctx.x_dtype)), None, None, None, None, None, None
+
+
+_quantize_op.register_autograd(_quantize_backward, setup_context=_quantize_setup)
+
+
+def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = "e4m3", scale_mode: str = "rceil",
+                   nonfinite: str = "saturate", scale_layout: str = "compact", backend: Optional[str] = None):
+    """`dispatch.run("mxfp8_quantize", ...)` returning TrackedMXTensor(s); the gradient passes straight
+    through to x (identity). A tuple axis gives a tuple sharing one proxy."""
+    as_tuple = isinstance(axis, (tuple, list))
+    axes = [int(a) for a in axis] if as_tuple else [int(axis)]
+    out = _quantize_op(x, axes, elem, scale_mode, nonfinite, scale_layout, backend)
+    proxy = out[0]
+    tensors = tuple(_tracked(out[1 + 2 * i], out[2 + 2 * i], a % x.dim(), elem, scale_layout, proxy)
+                    for i, a in enumerate(axes))
+    return tensors if as_tuple else tensors[0]
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mxfp8_dequantize", mutates_args=())
+def _dequantize_op(value: Optional[Tensor], codes: Tensor, scales: Tensor, fmt: str, out_dtype: str,
+                   backend: Optional[str]) -> Tensor:
+    t = _operand(value, codes, scales, fmt)
+    return _dispatch.run("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend).contiguous()
+
+
+@_dequantize_op.register_fake
+def _(value, codes, scales, fmt, out_dtype, backend):
+    return codes.new_empty(codes.shape, dtype=_TORCH_DTYPES[out_dtype])
+
+
+def _dequantize_setup(ctx, inputs, output):
+    value = inputs[0]
+    ctx.value_dtype = None if value is None else value.dtype
+
+
+def _dequantize_backward(ctx, grad):
+    g = None if ctx.value_dtype is None or grad is None else grad.to(ctx.value_dtype)
+    return g, None, None, None, None, None
+
+
+_dequantize_op.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+
+
+def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32", backend: Optional[str] = None) -> Tensor:
+    """Dequantized values of t; the gradient goes straight through to t's proxy (if tracked)."""
+    value, codes, scales, fmt = _slots(t)
+    return _dequantize_op(value, codes, scales, fmt, out_dtype, backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# rope
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::rope", mutates_args=())
+def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, cu_seqlens: Optional[Tensor],
+             positions: Optional[Tensor], start_positions: Optional[Tensor], cp_size: int, cp_rank: int,
+             out_dtype: Optional[str], backend: Optional[str]) -> Tensor:
+    return _dispatch.run("rope", x.contiguous(), cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
+                         positions=positions, start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
+                         out_dtype=out_dtype, backend=backend).contiguous()
+
+
+@_rope_op.register_fake
+def _(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank, out_dtype, backend):
+    dtype = x.dtype if out_dtype is None else _TORCH_DTYPES[out_dtype]
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rope_backward", mutates_args=())
+def _rope_backward_op(grad: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str,
+                      cu_seqlens: Optional[Tensor], positions: Optional[Tensor], start_positions: Optional[Tensor],
+                      cp_size: int, cp_rank: int, out_dtype: Optional[str], backend: Optional[str]) -> Tensor:
+    return _dispatch.run("rope_backward", grad.contiguous(), cos, sin, style=style, layout=layout,
+                         cu_seqlens=cu_seqlens, positions=positions, start_positions=start_positions,
+                         cp_size=cp_size, cp_rank=cp_rank, out_dtype=out_dtype, backend=backend).contiguous()
+
+
+@_rope_backward_op.register_fake
+def _(grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank, out_dtype, backend):
+    dtype = grad.dtype if out_dtype is None else _TORCH_DTYPES[out_dtype]
+    return grad.new_empty(grad.shape, dtype=dtype)
+
+
+def _rope_setup(ctx, inputs, output):
+    x, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank, _, backend = inputs
+    ctx.save_for_backward(cos, sin, cu_seqlens, positions, start_positions)
+    ctx.options = (style, layout, cp_size, cp_rank, _DTYPE_NAMES[x.dtype], backend)
+
+
+def _rope_backward(ctx, grad):
+    if grad is None:
+        return (None,) * 12
+    cos, sin, cu_seqlens, positions, start_positions = ctx.saved_tensors
+    style, layout, cp_size, cp_rank, x_dtype, backend = ctx.options
+    # The gradient arrives in the output's dtype; rope_backward accepts any float dtype, and out_dtype
+    # returns dx in x's dtype (one rounding from the fp32 result).
+    dx = _rope_backward_op(grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size,
+                           cp_rank, x_dtype, backend)
+    return (dx,) + (None,) * 11
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor, style: str = "mla", layout: str = "thd",
+         cu_seqlens: Optional[Tensor] = None, positions: Optional[Tensor] = None,
+         start_positions: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
+         out_dtype: Optional[str] = None, backend: Optional[str] = None) -> Tensor:
+    """`dispatch.run("rope", ...)` with dx = rope_backward(dL/dout) (tables are constants)."""
+    return _rope_op(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, int(cp_size),
+                    int(cp_rank), out_dtype, backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# mla_q_uproj_rope_quant
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_q_uproj_rope_quant", mutates_args=())
+def _mla_q_op(x: Optional[Tensor], x_codes: Optional[Tensor], x_scales: Optional[Tensor], x_format: str,
+              w: Optional[Tensor], w_codes: Optional[Tensor], w_scales: Optional[Tensor], w_format: str,
+              cos: Tensor, sin: Tensor,
+              x_t_codes: Optional[Tensor], x_t_scales: Optional[Tensor], x_t_format: str,
+              w_n_codes: Optional[Tensor], w_n_scales: Optional[Tensor], w_n_format: str,
+              quantize_grad: bool, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q proxy bf16 [T, H, 192], q_row codes, q_row scales, q_col codes, q_col scales). The x_t / w_n
+    slots are not read here: they are inputs only so that the backward can have them."""
+    q_row, q_col = _dispatch.run("mla_q_uproj_rope_quant", _operand(x, x_codes, x_scales, x_format),
+                                 _operand(w, w_codes, w_scales, w_format), cos, sin, backend=backend)
+    proxy = grad_proxy(q_row.data.shape, torch.bfloat16, cos.device)
+    return (proxy, q_row.data.view(torch.uint8).contiguous(), q_row.scale.contiguous(),
+            q_col.data.view(torch.uint8).contiguous(), q_col.scale.contiguous())
+
+
+@_mla_q_op.register_fake
+def _(x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, x_t_codes, x_t_scales,
+      x_t_format, w_n_codes, w_n_scales, w_n_format, quantize_grad, backend):
+    tokens = _logical_shape(x, x_codes, x_format)[0]
+    heads = _logical_shape(w, w_codes, w_format)[0] // MLA_QK_HEAD_DIM
+    shape = (tokens, heads, MLA_QK_HEAD_DIM)
+    return (grad_proxy(shape, torch.bfloat16, cos.device), cos.new_empty(shape, dtype=torch.uint8),
+            cos.new_empty(_scale_shape(shape, 2, "compact"), dtype=torch.uint8),
+            cos.new_empty(shape, dtype=torch.uint8), cos.new_empty(_scale_shape(shape, 0, "compact"), dtype=torch.uint8))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_q_uproj_rope_quant_backward", mutates_args=())
+def _mla_q_backward_op(dq: Tensor, x: Optional[Tensor], x_codes: Optional[Tensor], x_scales: Optional[Tensor],
+                       x_format: str, w: Optional[Tensor], w_codes: Optional[Tensor], w_scales: Optional[Tensor],
+                       w_format: str, cos: Tensor, sin: Tensor, quantize_grad: bool,
+                       backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """(dx bf16 [T, K], dw bf16 [N, K]); x and w as the backward wants them (module docstring)."""
+    x_arg = _operand(x, x_codes, x_scales, x_format)
+    w_arg = _operand(w, w_codes, w_scales, w_format)
+    if quantize_grad and (isinstance(x_arg, MXTensor) != isinstance(w_arg, MXTensor)):
+        # The op takes both bf16 or both MXFP8 along T / N: quantize the bf16 one as the backend would.
+        quant = dict(axis=0, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact",
+                     backend=backend)
+        if not isinstance(x_arg, MXTensor):
+            x_arg = _dispatch.run("mxfp8_quantize", x_arg, **quant)
+        else:
+            w_arg = _dispatch.run("mxfp8_quantize", w_arg, **quant)
+    dx, dw = _dispatch.run("mla_q_uproj_rope_quant_backward", dq.contiguous(), x_arg, w_arg, cos, sin,
+                           quantize_grad=quantize_grad, backend=backend)
+    return dx.contiguous(), dw.contiguous()
+
+
+@_mla_q_backward_op.register_fake
+def _(dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, quantize_grad, backend):
+    tokens, k = _logical_shape(x, x_codes, x_format)
+    n = _logical_shape(w, w_codes, w_format)[0]
+    return dq.new_empty((tokens, k), dtype=torch.bfloat16), dq.new_empty((n, k), dtype=torch.bfloat16)
+
+
+def _mla_q_setup(ctx, inputs, output):
+    (x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
+     x_t_codes, x_t_scales, x_t_format, w_n_codes, w_n_scales, w_n_format, quantize_grad, backend) = inputs
+    if quantize_grad:
+        # MXFP8 backward: x and w blocked along T and N (given copies), else bf16 for the backend to quantize
+        x_slots = (None, x_t_codes, x_t_scales, x_t_format) if x_t_format else (x, None, None, "")
+        w_slots = (None, w_n_codes, w_n_scales, w_n_format) if w_n_format else (w, None, None, "")
+    else:
+        x_slots = (x if not x_format else None, x_codes, x_scales, x_format)
+        w_slots = (w if not w_format else None, w_codes, w_scales, w_format)
+    ctx.save_for_backward(x_slots[0], x_slots[1], x_slots[2], w_slots[0], w_slots[1], w_slots[2], cos, sin)
+    ctx.formats = (x_slots[3], w_slots[3])
+    ctx.options = (bool(quantize_grad), backend)
+    ctx.x_dtype = None if x is None else x.dtype  # dx goes to x's slot (the tensor or the proxy)
+    ctx.w_dtype = None if w is None else w.dtype
+
+
+def _mla_q_backward(ctx, dq, *_unused_integer_grads):
+    none = [None] * 18
+    if dq is None:
+        return tuple(none)
+    x, x_codes, x_scales, w, w_codes, w_scales, cos, sin = ctx.saved_tensors
+    x_format, w_format = ctx.formats
+    quantize_grad, backend = ctx.options
+    dx, dw = _mla_q_backward_op(dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
+                                quantize_grad, backend)
+    if ctx.x_dtype is not None:
+        none[0] = dx.to(ctx.x_dtype)
+    if ctx.w_dtype is not None:
+        none[4] = dw.to(ctx.w_dtype)
+    return tuple(none)
+
+
+_mla_q_op.register_autograd(_mla_q_backward, setup_context=_mla_q_setup)
+
+
+def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool = False,
+                           x_t: Optional[MXTensor] = None, w_n: Optional[MXTensor] = None,
+                           backend: Optional[str] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
+    """The fused op as `dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin)`, returning (q_row,
+    q_col) TrackedMXTensors that share one bf16 proxy [T, H, 192]. Backward (module docstring):
+    `mla_q_uproj_rope_quant_backward` with `quantize_grad`; for the MXFP8 backward with MXFP8 x or w,
+    `x_t` (x blocked along T, axis 0) / `w_n` (w blocked along N, axis 0) are required."""
+    if quantize_grad:
+        for name, operand, copy, what in (("x", x, x_t, "x_t (x blocked along T, axis 0; e.g. rmsnorm_mxfp8's y_col)"),
+                                          ("w", w, w_n, "w_n (w blocked along N, axis 0; e.g. mxfp8_quantize(w, axis=(1, 0))[1])")):
+            if isinstance(operand, MXTensor) and copy is None:
+                raise ValueError(f"{name}: the MXFP8 backward (quantize_grad=True) of an MXFP8 {name} needs {what}")
+    x_slots, w_slots = _slots(x), _slots(w)
+    out = _mla_q_op(*x_slots, *w_slots, cos, sin, *_mx_slots(x_t), *_mx_slots(w_n), bool(quantize_grad), backend)
+    proxy, row_codes, row_scales, col_codes, col_scales = out
+    return (_tracked(row_codes, row_scales, 2, "e4m3", "compact", proxy),
+            _tracked(col_codes, col_scales, 0, "e4m3", "compact", proxy))
+
+
+# --------------------------------------------------------------------------------------------------
+# rmsnorm_mxfp8
+# --------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{NAMESPACE}::rmsnorm_mxfp8", mutates_args=())
+def _rmsnorm_op(x: Tensor, gamma: Tensor, eps: float, zero_centered_gamma: bool, elem: str,
+                backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(y proxy fp32 [T, D], y_row codes, y_row scales, y_col codes, y_col scales, rstd fp32 [T])."""
+    y_row, y_col, rstd = _dispatch.run("rmsnorm_mxfp8", x.contiguous(), gamma.contiguous(), eps=eps,
+                                       zero_centered_gamma=zero_centered_gamma, elem=elem, backend=backend)
+    return (grad_proxy(x.shape, torch.float32, x.device), y_row.data.view(torch.uint8).contiguous(),
+            y_row.scale.contiguous(), y_col.data.view(torch.uint8).contiguous(), y_col.scale.contiguous(),
+            rstd.contiguous())
+
+
+@_rmsnorm_op.register_fake
+def _(x, gamma, eps, zero_centered_gamma, elem, backend):
+    shape = tuple(x.shape)
+    return (grad_proxy(shape, torch.float32, x.device), x.new_empty(shape, dtype=torch.uint8),
+            x.new_empty(_scale_shape(shape, 1, "compact"), dtype=torch.uint8), x.new_empty(shape, dtype=torch.uint8),
+            x.new_empty(_scale_shape(shape, 0, "compact"), dtype=torch.uint8),
+            x.new_empty(shape[:1], dtype=torch.float32))
+
+
+def rmsnorm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor,
+                     zero_centered_gamma: bool = False) -> Tuple[Tensor, Tensor]:
+    """(dx, dgamma) of y = x * rstd[:, None] * g for dL/dy `dy` [T, D]; rstd [T] as the forward computed
+    it. Arithmetic in fp32 (float64 if any input is float64, for finite-difference checks); dx in x's
+    dtype, dgamma in gamma's."""
+    compute = torch.float64 if torch.float64 in (dy.dtype, x.dtype, gamma.dtype, rstd.dtype) else torch.float32
+    x32, dy32, r = x.to(compute), dy.to(compute), rstd.to(compute)[:, None]
+    g = gamma.to(compute)
+    if zero_centered_gamma:
+        g = g + 1.0
+    xhat = x32 * r
+    dxhat = dy32 * g
+    dgamma = (dy32 * xhat).sum(dim=0)
+    dx = r * (dxhat - xhat * (dxhat * xhat).mean(dim=1, keepdim=True))
+    return dx.to(x.dtype), dgamma.to(gamma.dtype)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, gamma, eps, zero_centered_gamma, elem, backend = inputs
+    rstd = output[5]
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, gamma, rstd)
+    ctx.zero_centered_gamma = bool(zero_centered_gamma)
+
+
+def _rmsnorm_backward(ctx, dy, *_unused):
+    if dy is None:
+        return (None,) * 6
+    x, gamma, rstd = ctx.saved_tensors
+    dx, dgamma = rmsnorm_backward(dy, x, gamma, rstd, ctx.zero_centered_gamma)
+    return dx, dgamma, None, None, None, None
+
+
+_rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gamma: bool = False,
+                  elem: str = "e4m3", backend: Optional[str] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor, Tensor]:
+    """`dispatch.run("rmsnorm_mxfp8", ...)` returning (y_row, y_col, rstd): y_row / y_col share one fp32
+    proxy, whose gradient (dL/dy of the fp32 y, straight through the quantizer) gives dx and dgamma
+    through `rmsnorm_backward`. rstd has no gradient."""
+    proxy, row_codes, row_scales, col_codes, col_scales, rstd = _rmsnorm_op(
+        x, gamma, float(eps), bool(zero_centered_gamma), elem, backend)
+    return (_tracked(row_codes, row_scales, 1, elem, "compact", proxy),
+            _tracked(col_codes, col_scales, 0, elem, "compact", proxy), rstd)
+
+
+# --------------------------------------------------------------------------------------------------
+# mla_attention
+# --------------------------------------------------------------------------------------------------
+
+def _lse_shape(q_shape: Sequence[int], layout: str) -> Tuple[int, ...]:
+    if layout == "thd":
+        return (q_shape[1], q_shape[0])
+    if layout == "bshd":
+        return (q_shape[0], q_shape[2], q_shape[1])
+    return (q_shape[1], q_shape[2], q_shape[0])  # sbhd
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_attention", mutates_args=())
+def _attention_op(q: Optional[Tensor], q_codes: Optional[Tensor], q_scales: Optional[Tensor], q_format: str,
+                  k: Optional[Tensor], k_codes: Optional[Tensor], k_scales: Optional[Tensor], k_format: str,
+                  v: Optional[Tensor], v_codes: Optional[Tensor], v_scales: Optional[Tensor], v_format: str,
+                  causal: bool, softmax_scale: Optional[float], layout: str, cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_kv: Optional[Tensor], backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """(o bf16 shaped like q with head dim 128, lse fp32)."""
+    o, lse = _dispatch.run(
+        "mla_attention", _contiguous(_operand(q, q_codes, q_scales, q_format)),
+        _contiguous(_operand(k, k_codes, k_scales, k_format)), _contiguous(_operand(v, v_codes, v_scales, v_format)),
+        causal=causal, softmax_scale=softmax_scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv, backend=backend)
+    return o.contiguous(), lse.contiguous()
+
+
+@_attention_op.register_fake
+def _(q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales, v_format,
+      causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend):
+    q_shape = _logical_shape(q, q_codes, q_format)
+    device = _device_of(q, q_codes)
+    o = torch.empty(q_shape[:-1] + (MLA_V_HEAD_DIM,), dtype=torch.bfloat16, device=device)
+    return o, torch.empty(_lse_shape(q_shape, layout), dtype=torch.float32, device=device)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_attention_backward", mutates_args=())
+def _attention_backward_op(do: Tensor, q: Optional[Tensor], q_codes: Optional[Tensor], q_scales: Optional[Tensor],
+                           q_format: str, k: Optional[Tensor], k_codes: Optional[Tensor],
+                           k_scales: Optional[Tensor], k_format: str, v: Optional[Tensor],
+                           v_codes: Optional[Tensor], v_scales: Optional[Tensor], v_format: str, o: Tensor,
+                           lse: Tensor, causal: bool, softmax_scale: Optional[float], layout: str,
+                           cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
+                           backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) bf16, with respect to the dequantized values of MXFP8 operands."""
+    dq, dk, dv = _dispatch.run(
+        "mla_attention_backward", do.contiguous(), _contiguous(_operand(q, q_codes, q_scales, q_format)),
+        _contiguous(_operand(k, k_codes, k_scales, k_format)), _contiguous(_operand(v, v_codes, v_scales, v_format)),
+        o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_kv=cu_seqlens_kv, backend=backend)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward_op.register_fake
+def _(do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales, v_format,
+      o, lse, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend):
+    return tuple(do.new_empty(shape, dtype=torch.bfloat16) for shape in (
+        _logical_shape(q, q_codes, q_format), _logical_shape(k, k_codes, k_format),
+        _logical_shape(v, v_codes, v_format)))
+
+
+def _attention_setup(ctx, inputs, output):
+    (q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales, v_format,
+     causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend) = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    # MXFP8 operands: the codes are what the backward reads, so the proxy is not saved (it is None there)
+    ctx.save_for_backward(None if q_format else q, q_codes, q_scales, None if k_format else k, k_codes, k_scales,
+                          None if v_format else v, v_codes, v_scales, o, lse, cu_seqlens_q, cu_seqlens_kv)
+    ctx.formats = (q_format, k_format, v_format)
+    ctx.options = (bool(causal), softmax_scale, layout, backend)
+    ctx.dtypes = tuple(None if t is None else t.dtype for t in (q, k, v))
+
+
+def _attention_backward(ctx, do, _lse_grad):
+    none = [None] * 18
+    if do is None:
+        return tuple(none)
+    (q, q_codes, q_scales, k, k_codes, k_scales, v, v_codes, v_scales, o, lse, cu_seqlens_q,
+     cu_seqlens_kv) = ctx.saved_tensors
+    q_format, k_format, v_format = ctx.formats
+    causal, softmax_scale, layout, backend = ctx.options
+    grads = _attention_backward_op(do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
+                                   v_scales, v_format, o, lse, causal, softmax_scale, layout, cu_seqlens_q,
+                                   cu_seqlens_kv, backend)
+    for slot, grad, dtype in zip((0, 4, 8), grads, ctx.dtypes):
+        if dtype is not None:
+            none[slot] = grad.to(dtype)
+    return tuple(none)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def mla_attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, layout: str = "bshd",
+                  cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
+                  backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """`dispatch.run("mla_attention", ...)`: (o, lse). q, k, v are tensors or MXTensors (tracked ones
+    receive gradients through their proxies). o is differentiable, lse is not."""
+    return _attention_op(*_slots(q), *_slots(k), *_slots(v), bool(causal),
+                         None if softmax_scale is None else float(softmax_scale), layout, cu_seqlens_q,
+                         cu_seqlens_kv, backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers on tracked MXFP8 tensors
+# --------------------------------------------------------------------------------------------------
+
+def reshape_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
+    """A view of t with a new shape that keeps the blocked axis last and its length (e.g. q_row
+    [T, H, 192] -> [B, S, H, 192]); codes, compact scales and the proxy are reshaped alike."""
+    shape = tuple(int(n) for n in shape)
+    if t.axis != t.ndim - 1 or shape[-1] != t.shape[-1] or t.scale_layout != "compact":
+        raise ValueError(f"t: reshape_mx keeps the blocked last axis of a compact MXTensor; got axis {t.axis} of "
+                         f"shape {t.shape} ({t.scale_layout} scales) -> {shape}")
+    scale_shape = shape[:-1] + (shape[-1] // BLOCK_SIZE,)
+    data, scale = t.data.reshape(shape), t.scale.reshape(scale_shape)
+    if isinstance(t, TrackedMXTensor):
+        proxy = None if t.grad_proxy is None else t.grad_proxy.reshape(shape)
+        return TrackedMXTensor(data, scale, len(shape) - 1, t.elem, "compact", proxy)
+    return MXTensor(data, scale, len(shape) - 1, t.elem, "compact")
+
+
+OPS = {
+    "mxfp8_quantize": _quantize_op,
+    "mxfp8_dequantize": _dequantize_op,
+    "rope": _rope_op,
+    "rope_backward": _rope_backward_op,
+    "mla_q_uproj_rope_quant": _mla_q_op,
+    "mla_q_uproj_rope_quant_backward": _mla_q_backward_op,
+    "rmsnorm_mxfp8": _rmsnorm_op,
+    "mla_attention": _attention_op,
+    "mla_attention_backward": _attention_backward_op,
+}
