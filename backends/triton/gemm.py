@@ -39,7 +39,9 @@ Kernel design
 - sm100+ (Blackwell): tl.dot_scaled (native MX block-scaled MMA), scales fed as [BM, BK/32] /
   [BN, BK/32] tiles. Gated on compute capability >= 10.0 because on sm90 Triton emulates dot_scaled
   by upcasting to bf16 (slower than the kernel above). UNVERIFIED: no sm100 machine was available;
-  it runs under the interpreter in the tests (semantics), not on hardware.
+  it runs under the interpreter in the tests (semantics), not on hardware. Triton's emulation (the
+  interpreter) dequantizes before multiplying, so a code times a scale beyond fp32 (448 * 2^127)
+  becomes Inf there, and Inf * 0 NaN, where spec's exact sum is finite; native sm100 MMA may differ.
 
 Deviations from spec (both bounded by the tests): the fp32 accumulation across K blocks rounds (spec
 sums exactly), and a scale pair whose product 2^(sa+sb-254) is outside fp32 (sa + sb > 381 or
@@ -66,6 +68,11 @@ __all__ = ["mxfp8_gemm", "mxfp8_gemm_tensors", "scale_offsets"]
 _OUT_TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _DOT_SCALED_FORMAT = {"e4m3": "e4m3", "e5m2": "e5m2"}
+
+
+def _empty(shape, dtype, device):
+    """Output allocation (never initialised); tests replace it with a 0xFF-filled one (poison)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -462,5 +469,5 @@ def _gemm_reasons(a, b, out_dtype="bfloat16") -> List[str]:
 
 @register("mxfp8_gemm", "triton", check=_gemm_reasons)
 def mxfp8_gemm(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> torch.Tensor:
-    out = torch.empty((a.data.shape[0], b.data.shape[0]), dtype=_OUT_TORCH[out_dtype], device=a.data.device)
+    out = _empty((a.data.shape[0], b.data.shape[0]), _OUT_TORCH[out_dtype], a.data.device)
     return mxfp8_gemm_tensors(a, b, out)

@@ -79,6 +79,12 @@ _NOPE = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def _empty(shape, dtype, device):
+    """Output allocation (never initialised: every byte is written by a kernel). Tests replace this
+    with a 0xFF-filled allocator so that an unwritten element fails the byte comparison."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 # --------------------------------------------------------------------------------------------------
 # device helpers
 # --------------------------------------------------------------------------------------------------
@@ -501,10 +507,10 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None):
     tokens, k = xd.shape
     heads = wd.shape[0] // _HEAD
     device = xd.device
-    row_codes = torch.empty((tokens, heads, _HEAD), dtype=torch.float8_e4m3fn, device=device)
-    row_scale = torch.empty((tokens, heads, _HEAD // 32), dtype=torch.uint8, device=device)
-    col_codes = torch.empty((tokens, heads, _HEAD), dtype=torch.float8_e4m3fn, device=device)
-    col_scale = torch.empty((tokens // 32, heads, _HEAD), dtype=torch.uint8, device=device)
+    row_codes = _empty((tokens, heads, _HEAD), torch.float8_e4m3fn, device)
+    row_scale = _empty((tokens, heads, _HEAD // 32), torch.uint8, device)
+    col_codes = _empty((tokens, heads, _HEAD), torch.float8_e4m3fn, device)
+    col_scale = _empty((tokens // 32, heads, _HEAD), torch.uint8, device)
     q_row = MXTensor(row_codes, row_scale, 2, "e4m3", "compact")
     q_col = MXTensor(col_codes, col_scale, 0, "e4m3", "compact")
     if tokens == 0 or heads == 0 or k == 0:
@@ -626,11 +632,11 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     rows, cols = src2d.shape
     device = src2d.device
     dummy8 = torch.zeros(1, dtype=torch.uint8, device=device)
-    g = torch.empty((rows, cols), dtype=torch.bfloat16, device=device) if write_bf16 else None
-    row_codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device) if row_q else None
-    row_scale = torch.empty((rows, cols // 32), dtype=torch.uint8, device=device) if row_q else None
-    colt_codes = torch.empty((cols, rows), dtype=torch.float8_e4m3fn, device=device) if col_q else None
-    colt_scale = torch.empty((cols, rows // 32), dtype=torch.uint8, device=device) if col_q else None
+    g = _empty((rows, cols), torch.bfloat16, device) if write_bf16 else None
+    row_codes = _empty((rows, cols), torch.float8_e4m3fn, device) if row_q else None
+    row_scale = _empty((rows, cols // 32), torch.uint8, device) if row_q else None
+    colt_codes = _empty((cols, rows), torch.float8_e4m3fn, device) if col_q else None
+    colt_scale = _empty((cols, rows // 32), torch.uint8, device) if col_q else None
     if rows == 0 or cols == 0:
         return g, (row_codes, row_scale), (colt_codes, colt_scale)
     if cos is None:
@@ -693,8 +699,8 @@ def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
         _, _, (xt_codes, xt_scale) = _prep_launch(x, col_q=True)
         x_t = MXTensor(xt_codes, xt_scale, 1, "e4m3", "compact")
     k = x_t.data.shape[0]
-    dx = torch.empty((tokens, k), dtype=torch.bfloat16, device=dq.device)
-    dw = torch.empty((n, k), dtype=torch.bfloat16, device=dq.device)
+    dx = _empty((tokens, k), torch.bfloat16, dq.device)
+    dw = _empty((n, k), torch.bfloat16, dq.device)
     mxfp8_gemm_tensors(g_row, w_t, dx)
     mxfp8_gemm_tensors(g_col_t, x_t, dw)
     return dx, dw
