@@ -59,7 +59,7 @@ from spec.quantize import normalize_axes
 
 from ..registry import register
 from ._common import interpret_mode, triton_reasons
-from .swizzle import swizzle_offset
+from .swizzle import empty_output, swizzle_offset
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _SCALE_MODE_CODE = {name: i for i, name in enumerate(SCALE_MODES)}  # rceil 0, floor 1, ceil 2, even 3
@@ -121,10 +121,9 @@ def _load_f32(ptrs, mask, X_KIND: tl.constexpr, MASKED: tl.constexpr):
 @triton.jit
 def _block_amax(x3, AXIS: tl.constexpr):
     """amax of each block of x3 along AXIS as SEMANTICS 1.1 step 1 defines it: NaN ignored, starting
-    from +0. tl.max combines with maxnum (PTX max.f32), which drops a NaN operand, so only an
-    all-NaN block yields NaN, and its amax is 0."""
-    amax = tl.max(tl.abs(x3), axis=AXIS)
-    return tl.where(amax == amax, amax, 0.0)
+    from +0. NaN lanes are replaced by 0 before the max, so nothing depends on how max treats NaN
+    operands (NumPy's fmax, used by the interpreter, returns NaN for signaling NaNs)."""
+    return tl.max(tl.where(x3 != x3, 0.0, tl.abs(x3)), axis=AXIS)
 
 
 @triton.jit
@@ -263,6 +262,37 @@ def _emit(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS:
 
 
 @triton.jit
+def _row_scale_offsets(offs_m, offs_n0, N, ROW_LAST, ROW_CP, NB: tl.constexpr, ROW_SWIZZLED: tl.constexpr,
+                       ROW_SPLIT: tl.constexpr, IDX64: tl.constexpr):
+    """Offsets [len(offs_m), NB] of the row scales of blocks starting at column offs_n0 (a multiple of 32)."""
+    blk = offs_n0 // 32 + tl.arange(0, NB)  # global block column
+    if IDX64:
+        blk = blk.to(tl.int64)
+    if ROW_SWIZZLED:
+        if ROW_SPLIT:  # S = [M * N / LAST, LAST / 32]: the flat row is split by the tensor's last axis
+            col0 = blk * 32
+            return swizzle_offset(offs_m[:, None] * (N // ROW_LAST) + (col0 // ROW_LAST)[None, :],
+                                  ((col0 % ROW_LAST) // 32)[None, :], ROW_CP), blk
+        else:
+            return swizzle_offset(offs_m[:, None], blk[None, :], ROW_CP), blk
+    else:
+        return offs_m[:, None] * (N // 32) + blk[None, :], blk
+
+
+@triton.jit
+def _col_scale_offsets(m0, offs_n, batch, M, N, COL_CP, MB: tl.constexpr, COL_SWIZZLED: tl.constexpr,
+                       IDX64: tl.constexpr):
+    """Offsets [MB, len(offs_n)] of the col scales of the blocks starting at row m0 (a multiple of 32)."""
+    mblk = m0 // 32 + tl.arange(0, MB)  # global block row
+    if IDX64:
+        mblk = mblk.to(tl.int64)
+    if COL_SWIZZLED:  # S = [P * N, M / 32]
+        return swizzle_offset(batch * N + offs_n[None, :], mblk[:, None], COL_CP), mblk
+    else:  # compact [P, M / 32, N]
+        return batch * (M // 32) * N + mblk[:, None] * N + offs_n[None, :], mblk
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
     M, N,  # data extent of one [M, N] batch
@@ -286,71 +316,85 @@ def _quantize_kernel(
     tile = pid % tiles_per_batch
     pid_m = tile // tiles_n  # consecutive programs walk along N: one row band streams through DRAM
     pid_n = tile % tiles_n
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    m0 = pid_m * BM
+    n0 = pid_n * BN
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
     if IDX64:
         offs_m = offs_m.to(tl.int64)
         batch = batch.to(tl.int64)
-    offs = batch * M * N + offs_m[:, None] * N + offs_n[None, :]
+    base = batch * M * N
+    offs = base + offs_m[:, None] * N + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x = _load_f32(x_ptr + offs, mask, X_KIND, MASKED)
 
-    # Each direction: NaN-propagating amax (NaN marks blocks with NaN, Inf blocks with Inf; on finite
-    # tiles it is the spec's amax), then the fast path if the whole tile is finite, else the full one.
-    if ROW:  # blocks of 32 along N; scales [BM, BN/32]
-        blk = pid_n * (BN // 32) + tl.arange(0, BN // 32)  # global block column
-        if IDX64:
-            blk = blk.to(tl.int64)
-        if ROW_SWIZZLED:
-            if ROW_SPLIT:  # S = [M * N / LAST, LAST / 32]: the flat row is split by the last axis
-                col0 = blk * 32
-                row_s_off = swizzle_offset(offs_m[:, None] * (N // ROW_LAST) + (col0 // ROW_LAST)[None, :],
-                                           ((col0 % ROW_LAST) // 32)[None, :], ROW_CP)
-            else:
-                row_s_off = swizzle_offset(offs_m[:, None], blk[None, :], ROW_CP)
-        else:
-            row_s_off = offs_m[:, None] * (N // 32) + blk[None, :]
-        row_s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
+    # NaN-propagating block amaxes: NaN marks blocks holding NaN, Inf blocks holding Inf; on a finite
+    # tile they are the spec's amaxes. Both directions see the same elements, so the row amaxes decide
+    # for the dual kernel.
+    if ROW:
         x_row = tl.reshape(x, [BM, BN // 32, 32])
         row_amax = _amax_nan(x_row, 2, INTERPRET)
-        if tl.max(tl.where(row_amax < float("inf"), 0, 1)) == 0:
-            _emit(x_row, row_amax, row_amax != row_amax, offs, mask, row_code_ptr, row_scale_ptr, row_s_off,
-                  row_s_mask, 2, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
-                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
-        else:
-            # row_amax is NaN or Inf exactly for the blocks holding NaN or Inf
-            _emit(x_row, _block_amax(x_row, 2), ~(row_amax < float("inf")), offs, mask, row_code_ptr, row_scale_ptr, row_s_off,
-                  row_s_mask, 2, BM, BN, False, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
-                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
-    if COL:  # blocks of 32 along M; scales [BM/32, BN]
-        mblk = pid_m * (BM // 32) + tl.arange(0, BM // 32)  # global block row
-        if IDX64:
-            mblk = mblk.to(tl.int64)
-        if COL_SWIZZLED:  # S = [P * N, M / 32]
-            col_s_off = swizzle_offset(batch * N + offs_n[None, :], mblk[:, None], COL_CP)
-        else:  # compact [P, M / 32, N]
-            col_s_off = batch * (M // 32) * N + mblk[:, None] * N + offs_n[None, :]
-        col_s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_n[None, :] < COL_LIM_N)
+        tile_finite = tl.max(tl.where(row_amax < float("inf"), 0, 1)) == 0
+    else:
         x_col = tl.reshape(x, [BM // 32, 32, BN])
         col_amax = _amax_nan(x_col, 1, INTERPRET)
-        if tl.max(tl.where(col_amax < float("inf"), 0, 1)) == 0:
-            _emit(x_col, col_amax, col_amax != col_amax, offs, mask, col_code_ptr, col_scale_ptr, col_s_off,
-                  col_s_mask, 1, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
-                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
-        else:
-            _emit(x_col, _block_amax(x_col, 1), ~(col_amax < float("inf")), offs, mask, col_code_ptr, col_scale_ptr, col_s_off,
-                  col_s_mask, 1, BM, BN, False, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS,
-                  MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        tile_finite = tl.max(tl.where(col_amax < float("inf"), 0, 1)) == 0
+
+    if tile_finite:  # the common case: no NaN / Inf anywhere in the tile
+        if ROW:
+            s_off, blk = _row_scale_offsets(offs_m, n0, N, ROW_LAST, ROW_CP, BN // 32, ROW_SWIZZLED, ROW_SPLIT, IDX64)
+            s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
+            _emit(x_row, row_amax, row_amax != row_amax, offs, mask, row_code_ptr, row_scale_ptr, s_off, s_mask,
+                  2, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS,
+                  EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        if COL:
+            if ROW:  # computed here, not before the branch: shuffles cannot sink into it, and a
+                # [BM/32, BN] amax held across the row work costs registers
+                x_col = tl.reshape(x, [BM // 32, 32, BN])
+                col_amax = _amax_nan(x_col, 1, INTERPRET)
+            s_off, mblk = _col_scale_offsets(m0, offs_n, batch, M, N, COL_CP, BM // 32, COL_SWIZZLED, IDX64)
+            s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_n[None, :] < COL_LIM_N)
+            _emit(x_col, col_amax, col_amax != col_amax, offs, mask, col_code_ptr, col_scale_ptr, s_off, s_mask,
+                  1, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS,
+                  EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+    else:
+        # NaN / Inf in the tile (rare): the full rules (amax ignoring NaN, the policy's scale bytes,
+        # clamp, NaN codes), one 32-column slice at a time, reloading the slice (an L1/L2 hit) so this
+        # path needs few registers and does not lower the occupancy of the common one.
+        for c in range(BN // 32):
+            offs_c = n0 + c * 32 + tl.arange(0, 32)
+            offs_s = base + offs_m[:, None] * N + offs_c[None, :]
+            mask_s = (offs_m[:, None] < M) & (offs_c[None, :] < N)
+            xs = _load_f32(x_ptr + offs_s, mask_s, X_KIND, MASKED)
+            if ROW:
+                xs_row = tl.reshape(xs, [BM, 1, 32])
+                bits = xs_row.to(tl.int32, bitcast=True) & F32_ABS_MASK
+                s_off, blk = _row_scale_offsets(offs_m, n0 + c * 32, N, ROW_LAST, ROW_CP, 1, ROW_SWIZZLED,
+                                                ROW_SPLIT, IDX64)
+                s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
+                _emit(xs_row, _block_amax(xs_row, 2), tl.max(bits, axis=2) >= F32_INF_BITS, offs_s, mask_s,
+                      row_code_ptr, row_scale_ptr, s_off, s_mask, 2, BM, 32, False, MASKED, SCALE_MODE,
+                      NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
+                      EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+            if COL:
+                xs_col = tl.reshape(xs, [BM // 32, 32, 32])
+                bits = xs_col.to(tl.int32, bitcast=True) & F32_ABS_MASK
+                s_off, mblk = _col_scale_offsets(m0, offs_c, batch, M, N, COL_CP, BM // 32, COL_SWIZZLED, IDX64)
+                s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_c[None, :] < COL_LIM_N)
+                _emit(xs_col, _block_amax(xs_col, 1), tl.max(bits, axis=1) >= F32_INF_BITS, offs_s, mask_s,
+                      col_code_ptr, col_scale_ptr, s_off, s_mask, 1, BM, 32, False, MASKED, SCALE_MODE,
+                      NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
+                      EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
 
 
 def _quantize_configs() -> List[triton.Config]:
     """(BM, BN, warps, register cap). Triton lays a tile out with 16 contiguous bf16 per thread and the
     warps stacked along M, so a 32-row col block stays inside one warp only for the 1-warp tiles
-    (reductions by shuffles); taller multi-warp tiles reduce through shared memory. The register cap
-    keeps the rarely taken NaN/Inf path from setting the occupancy of the common one (ptxas spills a
-    few scalars there at most): 1-warp tiles at 96 registers fit 21 warps per SM."""
-    shapes = [(32, 64, 1, 96), (32, 64, 1, None), (32, 128, 1, 168), (32, 128, 2, 128), (64, 64, 2, 128),
-              (64, 128, 4, 128)]
+    (reductions by shuffles); taller multi-warp tiles reduce through shared memory. The register caps
+    are what ptxas needs without spilling (checked on sm90 with ptxas from CUDA 13); left alone it
+    takes more for the branchy kernel and lowers occupancy (a 1-warp tile at 96 registers: 21 warps
+    per SM, each with 4 KB of loads in flight)."""
+    shapes = [(32, 64, 1, 96), (32, 128, 1, 168), (32, 128, 2, 104), (64, 64, 2, 128), (64, 128, 4, 128)]
     return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=1, maxnreg=r) for bm, bn, w, r in shapes]
 
 
@@ -465,7 +509,7 @@ def _new_output(shape: Tuple[int, ...], axis: int, elem: str, swizzled: bool, in
                 device: torch.device):
     """(MXTensor shell fields, launch dict) for one blocked axis: fp8 codes with the input's shape and
     the scale buffer (compact, or swizzled [R', C'])."""
-    data = torch.empty(shape, dtype=_ELEM_TORCH[elem], device=device)
+    data = empty_output(shape, _ELEM_TORCH[elem], device)
     compact = list(shape)
     compact[axis] //= BLOCK_SIZE
     pad = False
@@ -476,10 +520,12 @@ def _new_output(shape: Tuple[int, ...], axis: int, elem: str, swizzled: bool, in
         rp, cp = _roundup(rows, SWIZZLE_ROWS), _roundup(cols, SWIZZLE_COLS)
         needs_pad = (rp, cp) != (rows, cols)
         pad = needs_pad and in_kernel_pad_ok
-        alloc = torch.zeros if needs_pad and not pad else torch.empty  # zeros: padding not reachable
-        scale = alloc((rp, cp), dtype=torch.uint8, device=device)
+        if needs_pad and not pad:  # padding not reachable from the data grid: zero-initialised
+            scale = torch.zeros((rp, cp), dtype=torch.uint8, device=device)
+        else:
+            scale = empty_output((rp, cp), torch.uint8, device)
     else:
-        scale = torch.empty(compact, dtype=torch.uint8, device=device)
+        scale = empty_output(compact, torch.uint8, device)
     launch = dict(code=data.view(torch.uint8), scale=scale, swizzled=swizzled, cp=cp, pad=pad)
     return data, scale, launch
 
@@ -655,7 +701,7 @@ def dequantize_reasons(t, out_dtype="float32") -> List[str]:
 def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
     data = t.data.contiguous()
     shape = tuple(data.shape)
-    out = torch.empty(shape, dtype=_OUT_TORCH[out_dtype], device=data.device)
+    out = empty_output(shape, _OUT_TORCH[out_dtype], data.device)
     if not data.numel():
         return out
     swizzled = t.scale_layout == "swizzled"

@@ -32,6 +32,18 @@ from ._common import triton_reasons
 
 SWIZZLE_BLOCK = 2048  # bytes per program: small kernels, but enough lanes to fill the GPU
 
+# Tests set this to fill every output buffer with 0xFF bytes before the kernels run, so a byte the
+# kernels fail to write shows up (torch.empty may hand back zeroed memory that would hide it).
+POISON_OUTPUTS = False
+
+
+def empty_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty for kernel outputs (poisoned with 0xFF bytes when POISON_OUTPUTS is set)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if POISON_OUTPUTS:
+        out.view(torch.uint8).fill_(0xFF)
+    return out
+
 
 @triton.jit
 def swizzle_offset(i, j, COLS_PADDED):
@@ -98,7 +110,7 @@ def swizzle_scales(t: MXTensor) -> MXTensor:
     rp, cp = t.swizzled_scale_shape
     _, c, q = _pcq(t)
     src = t.scale.contiguous()
-    out = torch.empty((rp, cp), dtype=torch.uint8, device=src.device)  # fully written by the kernel
+    out = empty_output((rp, cp), torch.uint8, src.device)  # fully written by the kernel
     total = rp * cp
     if total:
         grid = (triton.cdiv(total, SWIZZLE_BLOCK),)
@@ -114,7 +126,7 @@ def unswizzle_scales(t: MXTensor) -> MXTensor:
     _, cp = t.swizzled_scale_shape
     _, c, q = _pcq(t)
     src = t.scale.contiguous()
-    out = torch.empty(t.compact_scale_shape, dtype=torch.uint8, device=src.device)
+    out = empty_output(t.compact_scale_shape, torch.uint8, src.device)
     total = out.numel()
     if total:
         grid = (triton.cdiv(total, SWIZZLE_BLOCK),)
