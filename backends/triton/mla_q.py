@@ -2,6 +2,10 @@
 spec/mla_q.py).
 
 Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
+- Two kernels with the same arithmetic: `_mla_q_fwd_tma_kernel` (default on sm90 when x and w are
+  TMA-addressable: x [BM, BK], the head's no-RoPE rows [128, BK] and RoPE rows [64, BK] as TMA boxes,
+  zero-filled past T and K) and `_mla_q_fwd_kernel` (cp.async pointer loads; any strides; also sm80/89).
+  MXMLA_TRITON_MLA_Q_VARIANT=tma|pointer forces one.
 - Program = BLOCK_M tokens x one head (192 output features of w's rows head*192 .. head*192+191), in
   grouped order (GROUP_M token tiles per head run together: the head's 576 KB of w and a few x tiles
   stay in L2). BLOCK_M is a multiple of 32, so every columnwise block (32 tokens of one feature) lies
@@ -32,9 +36,22 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
      scales [T, H, 6];
   4. columnwise MXFP8: blocks of 32 tokens per feature (reshape [BM/32, 32, F], max over the 32) ->
      codes [T, H, 192], scales [T/32, H, 192].
-  Scale bytes and codes come from backends/triton/_mxfp8.py (rceil, saturate, e4m3). The fp32 -> bf16
-  staging and fp32 -> e4m3 rounding use the GPU's cvt.rn instructions on CUDA (HW_CVT) and the
-  integer-bit versions under the interpreter, whose conversions are wrong; the two agree bit for bit.
+  Scale bytes and codes come from backends/triton/_mxfp8.py (rceil, saturate, e4m3): the amax is a
+  float max of |v| (maxnum ignores NaN; an all-NaN block is fixed to 0 per block), the scale byte five
+  integer ops per block. The fp32 -> bf16 staging and fp32 -> e4m3 rounding use the GPU's cvt.rn
+  (cvt.rn.satfinite.e4m3x2.f32 saturates overflow and Inf itself; every NaN reaching it is the product
+  v * s_inv, which NVIDIA arithmetic returns as the canonical positive NaN, so it encodes to 0x7F
+  without a select) on CUDA (HW_CVT), and the integer-bit versions under the interpreter, whose
+  conversions are wrong; the two agree bit for bit.
+- Cost, from offline sm90 compiles (Triton 3.9 + ptxas, 128 x 192 tile, 8 warps): the main loop is
+  ~100 SASS instructions per warp per 64-wide K step against 768 tensor-core cycles; the epilogue is
+  ~3000 instructions per thread (cross-lane / cross-warp amax reductions ~700, conversions, per-block
+  scale bytes, byte stores through shared memory), ~6k issue cycles against ~18k cycles of main loop
+  per tile. With one CTA per SM it runs while the tensor cores idle (~+30%); the maxnreg=128 configs
+  (<= 82 KB shared memory) put two CTAs on an SM so one tile's epilogue overlaps the other's main
+  loop (the main loop keeps its 96 accumulator registers; only the epilogue spills ~0.5 KB/thread).
+  Expected on the H200 (not measured here: no GPU access): 1.15-1.4x the bf16 cuBLAS GEMM time,
+  depending on how much of the epilogue the 2-CTA configs hide; benchmarks/bench_mla_q.py measures it.
 - Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
   of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
   moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
@@ -409,12 +426,13 @@ def _fwd_configs(mx: bool, tma: bool = False):
     bf16, two CTAs per SM: maxnreg=128 and <= 82 KB of shared memory (BLOCK_K 32 x 4 stages or
     64 x 2) let two programs share an SM, so one program's epilogue overlaps the other's main loop;
     the main loop keeps its accumulators in registers (96 per thread), only the epilogue spills.
-    Small T: 64-row tiles, 4 warps. MX (fp8 operands, a dot per 32-wide K block): per-block partial
+    Small T: 64-row tiles, 4 warps (at 32-wide K steps several fit an SM). GROUP_M 16 token tiles per
+    head run together: at T = 4096 each head's w is read from DRAM about twice. MX (fp8 operands, a dot per 32-wide K block): per-block partial
     accumulators raise register pressure, so 32/64-wide K steps.
     """
     if tma:
         shapes = ((128, 64, 8, 3, True, None), (128, 64, 8, 4, True, None), (128, 32, 8, 4, True, 128),
-                  (128, 64, 8, 2, True, 128), (64, 64, 4, 4, True, None))
+                  (128, 64, 8, 2, True, 128), (64, 64, 4, 4, True, None), (64, 32, 4, 4, True, None))
         if mx:
             shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, True, None), (64, 64, 4, 4, True, None))
     elif not mx:
@@ -424,7 +442,7 @@ def _fwd_configs(mx: bool, tma: bool = False):
         shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, False, None), (64, 64, 4, 4, False, None))
     cfgs = []
     for bm, bk, warps, stages, split, maxnreg in shapes:
-        meta = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 8}
+        meta = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 16 if bm == 128 else 8}
         if not tma:
             meta["ROPE_SPLIT"] = split
         cfgs.append(triton.Config(meta, num_warps=warps, num_stages=stages, maxnreg=maxnreg,
@@ -447,7 +465,7 @@ _fwd_tma_fixed = triton.heuristics({"EVEN_T": _even_t})(_mla_q_fwd_tma_kernel)
 _fwd_tuned = {mx: triton.autotune(configs=_fwd_configs(mx), key=_FWD_KEY)(_fwd_fixed) for mx in (False, True)}
 _fwd_tma_tuned = {mx: triton.autotune(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY)(_fwd_tma_fixed)
                   for mx in (False, True)}
-_FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=4, maxnreg=128),
+_FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=16, ROPE_SPLIT=True, num_warps=8, num_stages=4, maxnreg=128),
                 True: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=6)}
 
 
