@@ -1,45 +1,51 @@
 """Triton MXFP8 quantize / dequantize (SEMANTICS.md sections 1-2), byte-equal to spec.quantize for every
 element format, scale mode and non-finite policy, with compact or swizzled scales.
 
-Kernel design (`_quantize_kernel`, memory bound)
-- The input is viewed as [P, M, N] (contiguous). "Row" output = blocks of 32 along N (the last axis),
-  "col" output = blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K];
-  axis=0 is the col mode of [1, M, prod(rest)]; a middle axis is the col mode with P = product of the
-  axes before it. axis=(-1, 0) / (0, -1) on [M, ...] is ONE pass in the dual mode of [1, M, prod(rest)]:
-  each [BM, BN] tile is loaded once (16-byte vector loads), both amaxes come from the same registers,
-  both code arrays and both scale arrays are written once. Other tuples run one pass per axis.
-- Per tile: x widened to fp32 exactly (bf16 by shifting its bits: the interpreter flushes bf16
-  subnormals). Row blocks: reshape [BM, BN/32, 32] and reduce axis 2; col blocks: reshape
-  [BM/32, 32, BN] and reduce axis 1; the multiplier is broadcast back over the same view, so data
-  never moves between threads except inside the reductions.
-- amax (saturate policy): float max of |x| with maxnum semantics (max.f32 ignores NaN; an all-NaN
-  block gives NaN, mapped to 0): one FMNMX per element. nan_block: integer max over |x| bits, once
-  with NaN lanes zeroed (amax) and once raw (>= Inf bits flags the block).
-- Scale byte: from the fp32 bits (rceil: one RN multiply by R = RN(1/max), then the exponent/mantissa
-  rule; floor/ceil/even: amax's exponent field), never log2 or division. s_inv = 2^(127-e) built
-  on the bits. y = x * s_inv is one fp32 multiply (launched with enable_fp_fusion=False: nothing is
-  contracted, though here no add follows a multiply before a rounding that matters).
-- Element code, GPU (sm90+): clamp to +-max, then Triton's fp32 -> fp8 cast, which lowers to
-  cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (round to nearest even); NaN lanes (lost by the NaN-ignoring
-  clamp) are selected to 0x7F afterwards. Interpreter / older GPUs: the same rounding on the fp32
-  bits (`_encode_bits`): Triton's interpreter truncates fp32 -> fp8, and before sm90 Triton converts
-  fp32 -> fp8 through an fp16 round-toward-zero step. Both produce the spec's codes on every input.
-- Scales are written compact or directly in the swizzled layout (swizzle.swizzle_offset). A
+Quantize kernel (`_quantize_kernel`, memory bound)
+- Views: the input is [P, M, N] (contiguous). "Row" output = blocks of 32 along N, "col" output =
+  blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K]; axis=0 the col
+  mode of [1, M, prod(rest)]; a middle axis the col mode with P = product of the axes before it.
+  axis=(-1, 0) / (0, -1) is ONE pass in the dual mode of [1, M, prod(rest)]: each [BM, BN] tile is
+  loaded once (16-byte vector loads), both amaxes come from the same registers, both code arrays
+  and both scale arrays are written once. Other tuples run one pass per axis.
+- Per tile: x widened to fp32 exactly (bf16 by shifting its bits: Triton's interpreter flushes bf16
+  subnormals in its cast; on the GPU the shift is what the cast does). Row blocks = reshape
+  [BM, BN/32, 32] reduced over axis 2, col blocks = reshape [BM/32, 32, BN] reduced over axis 1; the
+  multiplier is broadcast back over the same view, so data moves between threads only inside the
+  reductions (warp shuffles; shared memory when a 32-row block spans warps).
+- Fast path (every tile without NaN / Inf, i.e. nearly always): the block amax is a NaN-propagating
+  max of |x| (one max.NaN per element per direction) and a tile whose amaxes are all finite is
+  exactly a tile the rules below reduce to: rceil as (bits(amax * R) + 0x7FFFFF) >> 23 (0 when
+  amax * R <= 2^-127; e <= 253 for finite amax, so s_inv = 2^(127-e) is a normal number), y = x *
+  s_inv (one fp32 multiply), and the code is Triton's fp32 -> fp8 cast, which on sm90 lowers to
+  cvt.rn.satfinite.{e4m3,e5m2}x2.f32: round to nearest even, finite overflow saturated to +-max.
+  For finite y that is exactly clamp-then-round (SEMANTICS 1.4), and no NaN can occur.
+- Other tiles (NaN or Inf present): the full rules, one 32-column slice at a time, reloading the slice
+  (an L1/L2 hit) so this path needs few registers: amax ignoring NaN (NaN lanes zeroed first: nothing
+  depends on how max treats NaN operands, and NumPy's fmax in the interpreter returns NaN for
+  signaling NaNs), the scale byte of the chosen mode and policy from the fp32 bits (never log2 or a
+  division), s_inv from the bits (2^-127 subnormal for 254, NaN for 255), clamp to +-max before the
+  cast, NaN lanes written as 0x7F.
+- Without the hardware conversion (Triton's interpreter, which truncates fp32 -> fp8, and GPUs before
+  sm90, where Triton goes through an fp16 round-toward-zero step) codes come from the same rounding
+  done on the fp32 bits (`_encode_bits`). MXMLA_TRITON_SOFT_FP8=1 forces that path on the GPU too.
+- Launched with enable_fp_fusion=False (no multiply-add contraction anywhere; spec rounds every op).
+- Scales are written compact or directly in the swizzled layout (swizzle.swizzle_offset); a
   [128, 128] tile's row scales and its col scales are each one contiguous 512-byte swizzle tile.
-  Padding of the swizzled buffer: when the scale matrix's row/column padding lies inside the data
-  grid (2-D views: always for col scales, and for row scales unless the row axis is a flattened
-  tail of an N-D tensor), the launch grid is extended to roundup(M, 128) x roundup(N, 128) and the
-  extra tiles load zeros (masked), whose blocks get scale byte 0 in every mode: the kernel writes
-  every byte of the buffer, allocated with torch.empty. Otherwise (N-D dual with padding, middle axis
-  with padding) the scale buffer is zero-initialised with torch.zeros and the kernel writes the rest.
-- Tiles BM x BN in {32, 64, 128}^2 with 1-8 warps, autotuned per shape bucket (log2 of M and N) and
-  mode; interior tiles of divisible shapes run without masks (MASKED constexpr).
+  Padding of a swizzled buffer: where the scale matrix's padding lies inside the data grid (2-D views:
+  always for col scales, and for row scales unless the row axis is the flattened tail of an N-D
+  tensor), the launch grid is extended to roundup(M, 128) x roundup(N, 128); the extra tiles load
+  zeros (masked), whose blocks get scale byte 0 in every mode, so the kernel writes every byte of a
+  torch.empty buffer. Otherwise (N-D dual or a middle axis, when padding is needed) the buffer is
+  zero-initialised with torch.zeros and the kernel writes the rest.
+- Tiles (BM, BN, warps) autotuned per shape bucket (log2 of M and N) and mode from a short list with
+  per-config register caps (`_quantize_configs`); interior tiles of divisible shapes run unmasked.
 Bytes per element (bf16 in, dual): 2 read + 2 code bytes + 2/32 scale bytes = 4.0625.
 
-Dequantize (`_dequantize_kernel`): same views and tiles; codes decoded on the bits (sign | mag << 20
-(e4m3) or << 21 (e5m2) is the value times 2^-120 / 2^-112, exact for subnormal codes too), one fp32
-multiply by 2^(e-127), bf16 rounding on the bits; every NaN is written as the canonical quiet NaN
-(0x7FC00000 / 0x7FC0), as spec does.
+Dequantize (`_dequantize_kernel`): same views and tiles; codes decoded by Triton's fp8 -> fp32 cast
+on sm90 (exact) or on the bits (sign | mag << (23 - mbits) is the value times 2^(ebias-127), exact for
+subnormal codes too), one fp32 multiply by 2^(e-127), RN to bf16 when asked; every NaN is written as
+the canonical quiet NaN (0x7FC00000 / 0x7FC0), as spec does.
 """
 from __future__ import annotations
 
@@ -443,6 +449,14 @@ def forced_config(bm: int, bn: int, num_warps: int):
         _forced_config = prev
 
 
+def _register_cap(tile: Tuple[int, int, int]) -> Optional[int]:
+    """The autotune list's register cap for this tile (None when the tile is not in the list)."""
+    if interpret_mode():
+        return None
+    caps = [c.maxnreg for c in _quantize_configs() if (c.kwargs["BM"], c.kwargs["BN"], c.num_warps) == tile]
+    return caps[0] if caps else None
+
+
 def config_space() -> List[Tuple[int, int, int]]:
     """Distinct (BM, BN, num_warps) tiles of the autotune space (tests run each one)."""
     return sorted({(c.kwargs["BM"], c.kwargs["BN"], c.num_warps) for c in _quantize_configs()})
@@ -500,7 +514,8 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
     if forced is not None:
         bm, bn, warps = forced
         _quantize_heuristic[grid({"BM": bm, "BN": bn})](
-            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, enable_fp_fusion=False)
+            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, maxnreg=_register_cap(forced),
+            enable_fp_fusion=False)
     else:
         _quantize_tuned[grid](**args, enable_fp_fusion=False)
 
@@ -596,9 +611,16 @@ def mxfp8_quantize(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfinite="satur
 # dequantize
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _decode(codes, IS_E5M2: tl.constexpr):
-    """fp32 value of fp8 codes, exact: sign | mag << (23 - mbits) is the value times
-    2^(ebias - 127) for normal and subnormal codes alike, and the multiply by 2^(127 - ebias) is exact."""
+def _decode(codes, IS_E5M2: tl.constexpr, HW_CVT: tl.constexpr):
+    """fp32 value of fp8 codes (uint8), exact. GPU (sm90+): Triton's cast, cvt.rn.f16x2.{e4m3,e5m2}x2
+    then f16 -> f32, both exact for every code. Otherwise on the bits: sign | mag << (23 - mbits) is
+    the value times 2^(ebias - 127) for normal and subnormal codes alike, and the multiply by
+    2^(127 - ebias) is exact (the interpreter's fp8 cast is wrong)."""
+    if HW_CVT:
+        if IS_E5M2:
+            return codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     c = codes.to(tl.int32)
     mag = c & 0x7F
     sign = (c & 0x80) << 24
@@ -623,7 +645,7 @@ def _scale_value(e):
 def _dequantize_kernel(
     code_ptr, scale_ptr, out_ptr, M, N, CP, M_BUCKET, N_BUCKET,
     ROW: tl.constexpr, SWIZZLED: tl.constexpr, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr,
-    IDX64: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    HW_CVT: tl.constexpr, IDX64: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -643,7 +665,7 @@ def _dequantize_kernel(
         codes = tl.load(code_ptr + offs, mask=mask, other=0)
     else:
         codes = tl.load(code_ptr + offs)
-    v = _decode(codes, IS_E5M2)
+    v = _decode(codes, IS_E5M2, HW_CVT)
     if ROW:
         blk = pid_n * (BN // 32) + tl.arange(0, BN // 32)
         if SWIZZLED:
@@ -673,8 +695,10 @@ def _dequantize_kernel(
     nan = x != x
     bits = x.to(tl.int32, bitcast=True)
     if OUT_BF16:
-        # one RN-even to bf16 on the bits (a carry may bump the exponent or reach Inf, as RN does)
-        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+        if HW_CVT:  # cvt.rn.bf16.f32: round to nearest even (subnormals kept)
+            out = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
+        else:  # the same rounding on the bits (a carry may bump the exponent or reach Inf, as RN does)
+            out = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).to(tl.int16)
         out = tl.where(nan, 0x7FC0, out).to(tl.int16)
     else:
         out = tl.where(nan, F32_QNAN_BITS, bits)
@@ -714,7 +738,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
         out_ptr=out.view(torch.int16 if out_dtype == "bfloat16" else torch.int32),
         M=m, N=n, CP=t.swizzled_scale_shape[1] if swizzled else 4, M_BUCKET=_bucket(m), N_BUCKET=_bucket(n),
         ROW=t.axis == len(shape) - 1, SWIZZLED=swizzled, IS_E5M2=t.elem == "e5m2",
-        OUT_BF16=out_dtype == "bfloat16", IDX64=p * (m + 128) * (n + 128) >= 2**31,
+        OUT_BF16=out_dtype == "bfloat16", HW_CVT=_use_hw_cvt(data.device), IDX64=p * (m + 128) * (n + 128) >= 2**31,
     )
 
     def grid(meta):
@@ -724,7 +748,8 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
     if forced is not None:
         bm, bn, warps = forced
         _dequantize_heuristic[grid({"BM": bm, "BN": bn})](
-            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, enable_fp_fusion=False)
+            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, maxnreg=_register_cap(forced),
+            enable_fp_fusion=False)
     else:
         _dequantize_tuned[grid](**args, enable_fp_fusion=False)
     return out
