@@ -10,12 +10,16 @@ Kernel design
 - 192 is not a power of two: q and k are held as two tiles, features 0..127 and 128..191, and
   S = q k^T is two tl.dot calls (K = 128 then K = 64 into the same accumulator), so no FLOP is spent
   on padding.
-- Masking: the key loop runs in two stages. Stage 1 covers key blocks that every query row of the
-  tile sees (no mask, no bounds checks); stage 2 covers the causal diagonal band and the partial last
-  key block with the mask (key j < S_kv and, causal, j <= i + S_kv - S_q: bottom-right aligned).
-  Key blocks that are fully masked for the whole tile are never visited. Fully masked rows (causal
-  with S_q > S_kv, or a varlen sequence without keys) keep m = -inf: the stage-2 update shifts by 0
-  instead of -inf (no inf - inf), so they end with l = 0, o = 0 and lse = -inf.
+- Masking: key blocks below `full_end` are seen by every query row of the tile and skip the mask;
+  blocks from `full_end` to `hi` (the causal diagonal band and the partial last key block) apply it
+  (key j < S_kv and, causal, j <= i + S_kv - S_q: bottom-right aligned); blocks at or past `hi`, fully
+  masked for the whole tile, are never visited. This is one loop with a runtime test, not two
+  loops, and the loop is entered only when it runs at least once: otherwise ptxas serialises every
+  wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers": a path that
+  skips a loop writes the in-flight accumulator's registers), which the sm90 compile of every
+  variant was checked for. Fully masked rows (causal with S_q > S_kv, or a varlen sequence without
+  keys) keep m = -inf: the update shifts them by 0 instead of -inf (no inf - inf), so they end with
+  l = 0, o = 0 and lse = -inf.
 - Grid (query blocks, heads, batch): the query blocks of one head are adjacent in launch order, so
   the programs resident at once share their head's k and v through L2 (k + v of a head at S = 4096
   is 2.6 MB; with heads fastest instead, 132 resident programs would stream 132 different heads from
@@ -262,41 +266,38 @@ def _key_ranges(m_lo, seqlen_q, seqlen_kv, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 def _fwd_inner(acc, l_i, m_i, q0, q1,
                k_base, v_base, ks_base, vs_base,
                stride_ks, stride_kss, stride_vs, stride_vss,
-               kv_tok0, q_idx, seqlen_kv, shift, qk_scale, lo, hi,
-               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+               kv_tok0, q_idx, seqlen_kv, shift, qk_scale, mask_from, hi,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                K_MX: tl.constexpr, V_MX: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     k_rows = offs_n * stride_ks
     ks_rows = offs_n * stride_kss
     v_rows = offs_n * stride_vs
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(0, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kv_idx = start_n + offs_n
         kv_mask = kv_idx < seqlen_kv
         kp = k_base + start_n.to(tl.int64) * stride_ks
         ksp = ks_base + start_n.to(tl.int64) * stride_kss
-        k0 = _load_d_tile(kp, k_rows, kv_mask, ksp, ks_rows, 0, 128, K_MX, MASKED)
-        k1 = _load_d_tile(kp, k_rows, kv_mask, ksp, ks_rows, 128, 64, K_MX, MASKED)
+        k0 = _load_d_tile(kp, k_rows, kv_mask, ksp, ks_rows, 0, 128, K_MX, True)
+        k1 = _load_d_tile(kp, k_rows, kv_mask, ksp, ks_rows, 128, 64, K_MX, True)
         qk = _mma(q0, tl.trans(k0), None)
         qk = _mma(q1, tl.trans(k1), qk)
-        if MASKED:
+        if start_n >= mask_from:
             keep = kv_mask[None, :]
             if CAUSAL:
                 keep = keep & (kv_idx[None, :] <= q_idx[:, None] + shift)
             qk = tl.where(keep, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            # A row with every key so far masked keeps m = -inf; shift it by 0 (its p are all 0).
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_use = m_new
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # A row with every key so far masked keeps m = -inf; shift it by 0 (its p are all 0).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         vp = v_base + start_n.to(tl.int64) * stride_vs
         vs_rows = ((kv_tok0 + kv_idx) // 32).to(tl.int64) * stride_vss
-        v = _load_v_tile(vp, v_rows, kv_mask, vs_base, vs_rows, V_MX, MASKED)
+        v = _load_v_tile(vp, v_rows, kv_mask, vs_base, vs_rows, V_MX, True)
         acc = _mma(_to_bf16(p), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -350,14 +351,15 @@ def _mla_fwd_kernel(
     acc = tl.zeros([BLOCK_M, 128], tl.float32)
     shift = seqlen_kv - seqlen_q
     full_end, hi = _key_ranges(m_lo, seqlen_q, seqlen_kv, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q0, q1, k_base, v_base, ks_base, vs_base,
-                               stride_ks, stride_kss, stride_vs, stride_vss,
-                               kv_tok0, q_idx, seqlen_kv, shift, qk_scale, 0, full_end,
-                               BLOCK_N, CAUSAL, False, K_MX, V_MX)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q0, q1, k_base, v_base, ks_base, vs_base,
-                               stride_ks, stride_kss, stride_vs, stride_vss,
-                               kv_tok0, q_idx, seqlen_kv, shift, qk_scale, full_end, hi,
-                               BLOCK_N, CAUSAL, True, K_MX, V_MX)
+    # One key loop (a runtime test picks the iterations that need the mask), entered only when it runs
+    # at least once: ptxas serialises every wgmma of a kernel (warning C7515) when a path that skips
+    # the loop writes the loop's in-flight accumulator registers (the two-loop form, or a zero-trip
+    # loop, does that).
+    if hi > 0:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q0, q1, k_base, v_base, ks_base, vs_base,
+                                   stride_ks, stride_kss, stride_vs, stride_vss,
+                                   kv_tok0, q_idx, seqlen_kv, shift, qk_scale, full_end, hi,
+                                   BLOCK_N, CAUSAL, K_MX, V_MX)
 
     # Epilogue: fully masked rows have l = 0 (and acc = 0): o = 0, lse = -inf.
     masked_row = l_i == 0.0
@@ -413,12 +415,12 @@ def _mla_bwd_preprocess_kernel(
 def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
                     q_base, do_base, lse2_base, delta_base, dqa_base,
                     stride_qs, stride_dos, stride_dqas,
-                    kv_idx, seqlen_q, shift, qk_scale, lo, hi,
-                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                    kv_idx, seqlen_q, shift, qk_scale, lo, mask_to,
+                    BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     offs_m = tl.arange(0, BLOCK_M)
     q_rows = offs_m * stride_qs
     do_rows = offs_m * stride_dos
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in range(lo, seqlen_q, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         q_idx = start_m + offs_m
         q_mask = q_idx < seqlen_q
@@ -431,8 +433,9 @@ def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
         qkT = _mma(k0, tl.trans(q0), None)
         qkT = _mma(k1, tl.trans(q1), qkT)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
-        if MASKED:
-            pT = tl.where(kv_idx[:, None] <= q_idx[None, :] + shift, pT, 0.0)
+        if CAUSAL:
+            if start_m < mask_to:  # the diagonal band: some (key, query) pairs are masked
+                pT = tl.where(kv_idx[:, None] <= q_idx[None, :] + shift, pT, 0.0)
         dop = do_base + start_m.to(tl.int64) * stride_dos
         do = _load_v_tile(dop, do_rows, q_mask, dop, do_rows, False, True)
         dv = _mma(_to_bf16(pT), do, dv)
@@ -504,14 +507,13 @@ def _mla_bwd_dkdv_kernel(
         # from n_lo + BLOCK_N - 1 - shift on see all of it; the band between needs the mask.
         m_start = tl.maximum(n_lo - shift, 0) // BLOCK_M * BLOCK_M
         m_full = (tl.maximum(n_lo + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        m_start = n_lo * 0
+        m_full = n_lo * 0
+    if m_start < seqlen_q:  # one loop, entered only when it runs (see _mla_fwd_kernel)
         dk0, dk1, dv = _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v, q_base, do_base, LSE2 + l_off, DELTA + l_off,
                                        dqa_base, stride_qs, stride_dos, stride_dqas, kv_idx, seqlen_q, shift,
-                                       qk_scale, m_start, tl.minimum(m_full, seqlen_q), BLOCK_M, True, ATOMIC_DQ)
-    else:
-        m_full = n_lo * 0
-    dk0, dk1, dv = _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v, q_base, do_base, LSE2 + l_off, DELTA + l_off,
-                                   dqa_base, stride_qs, stride_dos, stride_dqas, kv_idx, seqlen_q, shift,
-                                   qk_scale, m_full, seqlen_q, BLOCK_M, False, ATOMIC_DQ)
+                                       qk_scale, m_start, m_full, BLOCK_M, CAUSAL, ATOMIC_DQ)
 
     d128 = tl.arange(0, 128)
     d64 = tl.arange(0, 64)
@@ -525,24 +527,24 @@ def _mla_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta,
                   k_base, v_base, stride_ks, stride_vs,
-                  q_idx, seqlen_kv, shift, qk_scale, lo, hi,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+                  q_idx, seqlen_kv, shift, qk_scale, mask_from, hi,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     k_rows = offs_n * stride_ks
     v_rows = offs_n * stride_vs
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in range(0, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         kv_idx = start_n + offs_n
         kv_mask = kv_idx < seqlen_kv
         kp = k_base + start_n.to(tl.int64) * stride_ks
         vp = v_base + start_n.to(tl.int64) * stride_vs
-        k0 = _load_d_tile(kp, k_rows, kv_mask, kp, k_rows, 0, 128, False, MASKED)
-        k1 = _load_d_tile(kp, k_rows, kv_mask, kp, k_rows, 128, 64, False, MASKED)
-        v = _load_v_tile(vp, v_rows, kv_mask, vp, v_rows, False, MASKED)
+        k0 = _load_d_tile(kp, k_rows, kv_mask, kp, k_rows, 0, 128, False, True)
+        k1 = _load_d_tile(kp, k_rows, kv_mask, kp, k_rows, 128, 64, False, True)
+        v = _load_v_tile(vp, v_rows, kv_mask, vp, v_rows, False, True)
         qk = _mma(q0, tl.trans(k0), None)
         qk = _mma(q1, tl.trans(k1), qk)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASKED:
+        if start_n >= mask_from:
             keep = kv_mask[None, :]
             if CAUSAL:
                 keep = keep & (kv_idx[None, :] <= q_idx[:, None] + shift)
@@ -600,10 +602,9 @@ def _mla_bwd_dq_kernel(
     dq1 = tl.zeros([BLOCK_M, 64], tl.float32)
     shift = seqlen_kv - seqlen_q
     full_end, hi = _key_ranges(m_lo, seqlen_q, seqlen_kv, BLOCK_M, BLOCK_N, CAUSAL)
-    dq0, dq1 = _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
-                             q_idx, seqlen_kv, shift, qk_scale, 0, full_end, BLOCK_N, CAUSAL, False)
-    dq0, dq1 = _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
-                             q_idx, seqlen_kv, shift, qk_scale, full_end, hi, BLOCK_N, CAUSAL, True)
+    if hi > 0:  # one loop, entered only when it runs (see _mla_fwd_kernel)
+        dq0, dq1 = _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
+                                 q_idx, seqlen_kv, shift, qk_scale, full_end, hi, BLOCK_N, CAUSAL)
 
     d128 = tl.arange(0, 128)
     d64 = tl.arange(0, 64)
