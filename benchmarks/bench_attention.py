@@ -197,6 +197,30 @@ def tuning_notes(kernel, what):
     return lines
 
 
+def wgmma_report():
+    """For every compiled variant of the attention kernels: HGMMA count and how many of them are
+    followed by a wait (WARPGROUP.DEPBAR). A wait after nearly every HGMMA means ptxas serialised the
+    kernel's wgmma (warning C7515), which costs a large part of the tensor-core throughput."""
+    lines = []
+    for kernel in (tri._mla_fwd_kernel, tri._mla_bwd_dkdv_kernel, tri._mla_bwd_dq_kernel):
+        fn = kernel.fn
+        caches = getattr(fn, "device_caches", None) or {}
+        for entry in caches.values():
+            kernel_cache = entry[0] if isinstance(entry, tuple) else entry
+            for compiled in list(kernel_cache.values()):
+                try:
+                    sass = compiled.asm["sass"]
+                except Exception as exc:  # noqa: BLE001 - diagnostics only
+                    lines.append(f"  {fn.__name__}: SASS unavailable ({type(exc).__name__})")
+                    break
+                n_mma = sass.count("HGMMA")
+                n_wait = sass.count("WARPGROUP.DEPBAR")
+                flag = "SERIALISED?" if n_mma and n_wait >= 0.75 * n_mma else "ok"
+                lines.append(f"  {fn.__name__}: {n_mma} HGMMA, {n_wait} waits, "
+                             f"{getattr(compiled, 'n_regs', '?')} regs, {getattr(compiled, 'n_spills', '?')} spills: {flag}")
+    return lines
+
+
 def main():
     if ARGS.smoke:
         cases = [(1, 64, 2, True)]
@@ -271,6 +295,9 @@ def main():
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
+    if DEVICE == "cuda":
+        notes.append("compiled kernels (sass):")
+        notes += wgmma_report()
     for note in notes:
         print(note)
     print()
