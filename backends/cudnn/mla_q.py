@@ -71,8 +71,9 @@ def mla_q_reasons(x, w, cos, sin) -> List[str]:
     for mod in _common.missing_modules(WRAPPER_MODULES):
         reasons.append(f"gemm_proj_rope_mxfp8_wrapper_sm100 needs {_MODULE_PACKAGES[mod]} (module {mod!r}), "
                        f"which is not installed")
-    reasons += _common.cuda_reasons((x, w, cos, sin))
-    if reasons:
+    device_reasons = _common.cuda_reasons((x, w, cos, sin))
+    reasons += device_reasons
+    if device_reasons:
         return reasons
     dev = _common.first_device((x, w, cos, sin))
     reasons += _common.capability_reasons(dev, "gemm_proj_rope_mxfp8_wrapper_sm100 (tcgen05 kernel)", major_only=10)
