@@ -63,7 +63,6 @@ Kernel design
 """
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch

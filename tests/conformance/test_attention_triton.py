@@ -27,7 +27,6 @@ import pytest
 
 import spec
 from spec.attention import SEQ_AXIS
-from spec.mxtensor import MXTensor
 from tests.conformance.conftest import run_on
 from tests.conformance.test_attention import (
     BF16_BOUND,
