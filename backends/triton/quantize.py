@@ -406,7 +406,9 @@ def _quantize_configs() -> List[triton.Config]:
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop tiles much larger than the problem (the grid would be mostly masked)."""
-    m, n = named_args["M"], named_args["N"]
+    # Triton 3.6 passes keyword launch arguments in kwargs and only positional ones in named_args.
+    args = {**named_args, **kwargs}
+    m, n = args["M"], args["N"]
     keep = [c for c in configs if c.kwargs["BM"] <= max(32, 2 * m) and c.kwargs["BN"] <= max(64, 2 * n)]
     return keep or configs[:1]
 
