@@ -9,8 +9,10 @@ Headline: bf16 [16384, 24576] (DeepSeek-V3 q after the up-projection: T x H*192)
 
 - copy: dst.copy_(src) of an input-sized buffer; TB/s counts its read + write.
 - an op's TB/s counts what it must move once: input read, each code array and each scale array written
-  (dual bf16: 2 + 1 + 1 + 2/32 bytes per element). "vs copy" = op TB/s / copy TB/s (the roof
-  fraction); "vs compile" = torch.compile time / this time for the same op.
+  (dual bf16: 2 + 1 + 1 + 2/32 bytes per element). "vs copy" (JSON: ratio) = op TB/s / copy TB/s,
+  the roof fraction; "vs compile" = torch.compile time / this time for the same op.
+- baselines (torch eager, torch.compile of it) run for row and dual, the two ops with targets (col
+  too with --sweep).
 - times: medians of triton.testing.do_bench(warmup=25, rep=100), which flushes L2 between runs; inputs
   are larger than L2 (60 MB). First-call times (compile + autotune) are printed, and the autotuned
   tile. "same" says whether the impl's codes and scales equal triton's bytes.
@@ -124,7 +126,7 @@ def main():
         dst = torch.empty_like(x)
         copy_ms = bench_ms(lambda: dst.copy_(x))
         copy_tbps = 2 * x.numel() * x.element_size() / copy_ms / 1e9
-        rows.append(dict(op="copy", shape=shape, impl="torch copy_", ms=copy_ms, tbps=copy_tbps, vs_copy=1.0))
+        rows.append(dict(op="copy", shape=shape, impl="torch copy_", ms=copy_ms, tbps=copy_tbps, ratio=1.0, vs="copy"))
         del dst
 
         for layout in layouts:
@@ -139,16 +141,19 @@ def main():
                 secs = first_call_s(run_triton)
                 ref = flat_outputs(run_triton())
                 ms = bench_ms(run_triton)
-                best = getattr(triton_quantize._quantize_tuned, "best_config", None)
-                notes.append(f"triton {op} {shape}: first call {secs:.2f} s (compile + autotune); "
-                             f"tile {best if DEVICE == 'cuda' else triton_quantize._INTERPRET_CONFIG}")
+                best = getattr(triton_quantize._quantize_tuned, "best_config", None) if DEVICE == "cuda" else None
+                tile = (f"BM={best.kwargs['BM']} BN={best.kwargs['BN']} warps={best.num_warps} maxnreg={best.maxnreg}"
+                        if best is not None else f"{triton_quantize._INTERPRET_CONFIG} (interpreter)")
+                notes.append(f"triton {op} {shape}: first call {secs:.2f} s (compile + autotune); tile {tile}")
                 trow = dict(op=op, shape=shape, impl="triton", ms=ms, tbps=nbytes / ms / 1e9,
-                            vs_copy=nbytes / ms / 1e9 / copy_tbps, same=True)
+                            ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy", same=True, note=tile)
                 rows.append(trow)
 
-                baselines = [("torch eager", lambda axis=axis, layout=layout: flat_outputs(
-                    torch_quantize.mxfp8_quantize(x, axis=axis, scale_layout=layout)))]
-                if DEVICE == "cuda" and not ARGS.no_compile:
+                baselines = []
+                if which != "col" or ARGS.sweep or ARGS.smoke:  # the targets compare row and dual
+                    baselines.append(("torch eager", lambda axis=axis, layout=layout: flat_outputs(
+                        torch_quantize.mxfp8_quantize(x, axis=axis, scale_layout=layout))))
+                if DEVICE == "cuda" and not ARGS.no_compile and (which != "col" or ARGS.sweep):
                     baselines.append(("torch.compile(eager)", compiled_quantize(axis, layout)))
                 for name, fn in baselines:
                     try:
@@ -164,7 +169,7 @@ def main():
                         notes.append(f"{name} {op} {shape}: failed ({type(exc).__name__}: {str(exc)[:300]})")
                         continue
                     rows.append(dict(op=op, shape=shape, impl=name, ms=bms, tbps=nbytes / bms / 1e9,
-                                     vs_copy=nbytes / bms / 1e9 / copy_tbps, same=same_bytes(out, ref)))
+                                     ratio=nbytes / bms / 1e9 / copy_tbps, vs="copy", same=same_bytes(out, ref)))
                     if name.startswith("torch.compile"):
                         trow["vs_compile"] = bms / ms
                     del out
@@ -181,10 +186,10 @@ def main():
                     first_call_s(lambda: triton_quantize.mxfp8_dequantize(t, out_dtype))
                     ms = bench_ms(lambda: triton_quantize.mxfp8_dequantize(t, out_dtype))
                     rows.append(dict(op=op, shape=shape, impl="triton", ms=ms, tbps=nbytes / ms / 1e9,
-                                     vs_copy=nbytes / ms / 1e9 / copy_tbps))
+                                     ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy"))
                     ms = bench_ms(lambda: torch_quantize.mxfp8_dequantize(t, out_dtype))
                     rows.append(dict(op=op, shape=shape, impl="torch eager", ms=ms, tbps=nbytes / ms / 1e9,
-                                     vs_copy=nbytes / ms / 1e9 / copy_tbps))
+                                     ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy"))
                 del t
         del x
         if DEVICE == "cuda":
@@ -197,12 +202,12 @@ def main():
     for r in rows:
         vc = f"{r['vs_compile']:10.2f}" if "vs_compile" in r else " " * 10
         print(f"{r['op']:24} {r['shape']:24} {r['impl']:22} {r['ms']:9.4f} {r['tbps']:7.3f} "
-              f"{r['vs_copy']:8.3f} {vc} {r.get('same', '')}")
+              f"{r['ratio']:8.3f} {vc} {r.get('same', '')}")
     if ARGS.json:
-        meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)",
-                    torch=torch.__version__, triton=triton.__version__)
+        device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
+        rows[0]["note"] = f"{device}, torch {torch.__version__}, triton {triton.__version__}"
         with open(ARGS.json, "w") as f:
-            json.dump([dict(r, **meta) for r in rows], f, indent=1)
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -426,12 +426,21 @@ def _masked(args) -> bool:
     return any(lm != grid_m or ln != grid_n for lm, ln in lims)
 
 
+def _tune_bench(fn, quantiles):
+    """Autotuning timer: each candidate runs ~25 ms (the default 100 ms per config makes the first call
+    of every shape bucket several seconds long); these kernels take well under a millisecond."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
 _quantize_heuristic = triton.heuristics({"MASKED": _masked})(_quantize_kernel)
 _quantize_tuned = triton.autotune(
     configs=_quantize_configs(),
     key=["M_BUCKET", "N_BUCKET", "X_KIND", "ROW", "COL", "ROW_SWIZZLED", "COL_SWIZZLED", "SCALE_MODE",
          "NAN_BLOCK", "IS_E5M2"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=_tune_bench,
 )(_quantize_heuristic)
 
 # (BM, BN, num_warps) used instead of autotuning: always in the interpreter, and while `forced_config`
@@ -716,6 +725,7 @@ _dequantize_tuned = triton.autotune(
     configs=_quantize_configs(),
     key=["M_BUCKET", "N_BUCKET", "ROW", "SWIZZLED", "IS_E5M2", "OUT_BF16"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    do_bench=_tune_bench,
 )(_dequantize_heuristic)
 
 
