@@ -24,7 +24,8 @@ Paths (--path):
   `rope` for q and k_pe, `mla_attention` with bf16 q, k, v.
 - torch: a pure torch bf16 reference, nothing from mxmla: RMSNorm, matmuls, the mla-style RoPE
   written in torch, and torch.nn.functional.scaled_dot_product_attention.
-All paths keep fp32 master weights (cast to bf16 each step) and use AdamW.
+All paths keep fp32 master weights (cast to bf16 each step) and use AdamW with a linear warm-up
+and gradient-norm clipping at 1.
 
 Task: tokens from a small vocabulary, embedded by a fixed random table whose rows share one offset
 vector (a content-free component the block can use to find positions through RoPE). The block's
@@ -72,6 +73,7 @@ class Config:
     vocab: int = 32
     lr: float = 3e-3
     warmup: int = 10
+    clip: float = 1.0  # gradient-norm clip
     rope_theta: float = 10000.0
     eps: float = 1e-6
 
@@ -84,7 +86,7 @@ CONFIGS = {
     "small": Config(hidden=256, heads=2, q_lora=64, kv_lora=64, batch=2, seq=32),
     # DeepSeek-V3 attention (config.json of deepseek-ai/DeepSeek-V3): hidden_size 7168, 128 heads,
     # q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128.
-    "deepseek": Config(hidden=7168, heads=128, q_lora=1536, kv_lora=512, batch=2, seq=512, lr=1e-3),
+    "deepseek": Config(hidden=7168, heads=128, q_lora=1536, kv_lora=512, batch=2, seq=512, lr=1e-4),
 }
 
 
@@ -256,9 +258,10 @@ def train(cfg: Config, path: str, steps: int, device="cpu", seed: int = 0, quant
             loss = normalized_mse(model(h, cos, sin), target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         sched.step()
-        value = float(loss)  # synchronises: the step's time below is wall time of the whole step
+        value = loss.detach().item()  # synchronises: the step's time below is wall time of the whole step
         times.append(time.perf_counter() - t0)
         losses.append(value)
         log(f"[{path}] step {step + 1:4d}  loss {value:.6f}  ({times[-1] * 1e3:.1f} ms)")
