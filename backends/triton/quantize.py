@@ -488,7 +488,6 @@ def _roundup(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-
 def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict], elem: str, scale_mode: str,
                      nonfinite: str) -> None:
     """One pass over x3 (contiguous [P, M, N]) writing the row and/or col outputs described by
@@ -534,8 +533,8 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
 
 def _new_output(shape: Tuple[int, ...], axis: int, elem: str, swizzled: bool, in_kernel_pad_ok: bool,
                 device: torch.device):
-    """(MXTensor shell fields, launch dict) for one blocked axis: fp8 codes with the input's shape and
-    the scale buffer (compact, or swizzled [R', C'])."""
+    """(data, scale, launch dict) for one blocked axis: fp8 codes with the input's shape, the scale
+    buffer (compact, or swizzled [R', C']) and what `_launch_quantize` needs to write them."""
     data = empty_output(shape, _ELEM_TORCH[elem], device)
     compact = list(shape)
     compact[axis] //= BLOCK_SIZE

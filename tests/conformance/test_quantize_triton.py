@@ -14,7 +14,6 @@ variant costs one compile (~1 s); test_every_tile_config compiles ~40 more.
 from __future__ import annotations
 
 import contextlib
-import os
 import zlib
 
 import ml_dtypes
