@@ -54,10 +54,15 @@ Gradient definitions (SEMANTICS.md has none for training; these are the choices)
 Double backward is not supported (the backward ops have no autograd formula).
 
 ## Why custom ops throughout
-torch.autograd.Function would need no proxy, but torch.compile traces into its forward (and into
-`dispatch.run`, whose environment reads and caches are not traceable without graph breaks);
-custom ops are opaque to dynamo, so every wrapper here compiles with fullgraph=True. No op needed the
-Function fallback.
+torch.autograd.Function would need no proxy, but dynamo traces into its forward and backward, i.e.
+into `dispatch.run` and the backends' Python (environment reads, selection caches, NumPy in the spec
+backend, kernel launchers), where it breaks the graph or specialises on what it saw. Custom ops are
+opaque to dynamo, so every wrapper here compiles with fullgraph=True (tests/test_autograd.py). No op
+needed the Function fallback.
+
+Tests: tests/test_autograd.py (gradients, plumbing, torch.compile, Triton interpreter, the example),
+tests/test_autograd_opcheck.py (opcheck of every op in `OPS`), tests/test_autograd_cuda.py (CUDA-graph
+capture of forward + backward; `gpu` marker).
 """
 from __future__ import annotations
 
