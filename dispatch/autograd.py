@@ -363,7 +363,8 @@ def _(x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, 
     shape = (tokens, heads, MLA_QK_HEAD_DIM)
     return (grad_proxy(shape, torch.bfloat16, cos.device), cos.new_empty(shape, dtype=torch.uint8),
             cos.new_empty(_scale_shape(shape, 2, "compact"), dtype=torch.uint8),
-            cos.new_empty(shape, dtype=torch.uint8), cos.new_empty(_scale_shape(shape, 0, "compact"), dtype=torch.uint8))
+            cos.new_empty(shape, dtype=torch.uint8),
+            cos.new_empty(_scale_shape(shape, 0, "compact"), dtype=torch.uint8))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::mla_q_uproj_rope_quant_backward", mutates_args=())
@@ -438,8 +439,9 @@ def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool =
     `mla_q_uproj_rope_quant_backward` with `quantize_grad`; for the MXFP8 backward with MXFP8 x or w,
     `x_t` (x blocked along T, axis 0) / `w_n` (w blocked along N, axis 0) are required."""
     if quantize_grad:
-        for name, operand, copy, what in (("x", x, x_t, "x_t (x blocked along T, axis 0; e.g. rmsnorm_mxfp8's y_col)"),
-                                          ("w", w, w_n, "w_n (w blocked along N, axis 0; e.g. mxfp8_quantize(w, axis=(1, 0))[1])")):
+        needed = (("x", x, x_t, "x_t (x blocked along T, axis 0; e.g. rmsnorm_mxfp8's y_col)"),
+                  ("w", w, w_n, "w_n (w blocked along N, axis 0; e.g. mxfp8_quantize(w, axis=(1, 0))[1])"))
+        for name, operand, copy, what in needed:
             if isinstance(operand, MXTensor) and copy is None:
                 raise ValueError(f"{name}: the MXFP8 backward (quantize_grad=True) of an MXFP8 {name} needs {what}")
     x_slots, w_slots = _slots(x), _slots(w)

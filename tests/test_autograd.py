@@ -296,7 +296,8 @@ def test_rmsnorm_backward_finite_differences(zero_centered):
     eps 1e-6, atol 1e-5, rtol 1e-3)."""
     gen = torch.Generator().manual_seed(10)
     x = torch.randn(6, 32, generator=gen, dtype=torch.float64).requires_grad_()
-    gamma = (torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + (0.0 if zero_centered else 1.0)).requires_grad_()
+    offset = 0.0 if zero_centered else 1.0
+    gamma = (torch.randn(32, generator=gen, dtype=torch.float64) * 0.5 + offset).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: _RMSNormF64.apply(a, b, zero_centered), (x, gamma))
 
 

@@ -136,7 +136,8 @@ def _op_cases(gen):
     return {
         "rope": (rope_fn, *two(x_tables)),
         "mxfp8_quantize": (quantize_fn, *two(lambda: [randn(tokens, 256, dtype=torch.float32)])),
-        "rmsnorm_mxfp8": (rmsnorm_fn, *two(lambda: [randn(tokens, 256), randn(256, dtype=torch.float32, scale=0.1) + 1])),
+        "rmsnorm_mxfp8": (rmsnorm_fn, *two(lambda: [randn(tokens, 256),
+                                                    randn(256, dtype=torch.float32, scale=0.1) + 1])),
         "mla_q/bf16": (mla_q_bf16_fn, *two(lambda: [randn(tokens, k), randn(heads * 192, k, scale=0.1), cos, sin])),
         "mla_q/mxfp8": (mla_q_mx_fn, *two(lambda: [randn(tokens, k), randn(heads * 192, k, scale=0.1), cos, sin])),
         "attention/bf16": (attention_bf16_fn, *two(lambda: [randn(2, 128, heads, 192), randn(2, 128, heads, 192),
