@@ -130,6 +130,14 @@ def main():
         shapes = [4096, 16384, 32768]
 
     rows, notes = [], []
+    try:
+        measure(shapes, K, H, rows, notes)
+    except KeyboardInterrupt:  # a time cap (tools/gpu_run.sh sends SIGINT): keep what was measured
+        notes.append("interrupted by a time cap: the rows below are the ones measured before it")
+    report(rows, notes)
+
+
+def measure(shapes, K, H, rows, notes):
     for T in shapes:
         x, w, cos, sin = make_inputs(T, K, H)
         N = H * D
@@ -205,6 +213,8 @@ def main():
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
+
+def report(rows, notes):
     for note in notes:
         print(note)
     print()
