@@ -21,7 +21,7 @@ def _noop(*args, **kwargs):
     return None
 
 
-def overhead_us(op, args, kwargs, repeat=7, number=2000):
+def overhead_us(op, args, kwargs, repeat=15, number=2000):
     """Time run() and a direct call with the chosen implementation's function replaced by a no-op in
     the selection cache, so the difference is the dispatcher's own cost and not the op's noise."""
     backends.load()
@@ -59,7 +59,7 @@ def main():
         backend, t_direct, t_routed, t_select = overhead_us(op, a, kw, number=number)
         rows.append({"op": op, "impl": f"dispatch->{backend}", "ms": t_routed / 1e3,
                      "overhead_us": t_routed - t_direct, "select_us": t_select, "direct_us": t_direct})
-    print("Cached dispatch overhead per call (implementation replaced by a no-op; min of 7 repeats)")
+    print("Cached dispatch overhead per call (implementation replaced by a no-op; min of 15 repeats)")
     print(f"{'op':18} {'backend':8} {'direct us':>10} {'run us':>10} {'overhead us':>12} {'select us':>10}")
     for r in rows:
         print(f"{r['op']:18} {r['impl'][10:]:8} {r['direct_us']:10.2f} {r['ms']*1e3:10.2f} "

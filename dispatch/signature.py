@@ -38,8 +38,20 @@ def _value_sig(v: Any):
 
 
 def call_signature(args: tuple, kwargs: dict):
-    # Keyword order is kept (not sorted): one call site always passes the same order, and a different
-    # order only costs one more cache entry.
-    if kwargs:
-        return tuple(map(_value_sig, args)), tuple((k, _value_sig(v)) for k, v in kwargs.items())
-    return tuple(map(_value_sig, args))
+    # Written out as loops with the tensor case inlined: this runs on every call and function calls
+    # per argument cost more than the work. Keyword order is kept (not sorted): one call site always
+    # passes the same order, and a different order only costs one more cache entry.
+    sig = []
+    for v in args:
+        if isinstance(v, _Tensor):
+            sig.append((v.dtype, v.shape, v.stride(), v.device))
+        else:
+            sig.append(_value_sig(v))
+    for k, v in kwargs.items():
+        if type(v) in _SCALARS:
+            sig.append((k, v))
+        elif isinstance(v, _Tensor):
+            sig.append((k, v.dtype, v.shape, v.stride(), v.device))
+        else:
+            sig.append((k, _value_sig(v)))
+    return tuple(sig)
