@@ -14,7 +14,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PHASES=${*:-info test sanitize bench}
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+# .git does not travel to the device machine: pass MXMLA_COMMIT=<local hash> in the command.
+COMMIT=${MXMLA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 echo "commit $COMMIT  date $(date -u +%F)  phases: $PHASES"
 summary=()
 
