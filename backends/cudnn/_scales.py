@@ -31,39 +31,16 @@ import torch
 from spec.constants import SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mxtensor import MXTensor
 
-_ROW_GROUPS = SWIZZLE_ROWS // 32
+from ..torch.swizzle import pack_attention_scales, swizzle_matrix, unswizzle_scales  # noqa: F401 (re-exported)
 
 
 def _roundup(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _tile_perm(nb: int):
-    # (R'/128, 4, 32, C'/4, 4) -> (R'/128, C'/4, 32, 4, 4): SEMANTICS 3 step 3
-    return tuple(range(nb)) + tuple(nb + k for k in (0, 3, 2, 1, 4))
-
-
-def swizzle_matrix(s: torch.Tensor) -> torch.Tensor:
-    """S[..., R, C] (any strides) -> zero-padded swizzled bytes, contiguous [..., R', C']."""
-    *batch, rows, cols = s.shape
-    rp, cp = _roundup(rows, SWIZZLE_ROWS), _roundup(cols, SWIZZLE_COLS)
-    padded = s.new_zeros((*batch, rp, cp))
-    padded[..., :rows, :cols] = s
-    tiles = padded.view(*batch, rp // SWIZZLE_ROWS, _ROW_GROUPS, 32, cp // SWIZZLE_COLS, SWIZZLE_COLS)
-    return tiles.permute(_tile_perm(len(batch))).contiguous().view(*batch, rp, cp)
-
-
 def compact_scales(t: MXTensor) -> torch.Tensor:
     """t's compact scale bytes (the swizzled matrix unswizzled, padding dropped)."""
-    if t.scale_layout == "compact":
-        return t.scale
-    rows, cols = t.scale_matrix_shape
-    rp, cp = t.swizzled_scale_shape
-    # the swizzle permutation is its own inverse: buffer (R'/128, C'/4, 32, 4, 4) -> (R'/128, 4, 32, C'/4, 4)
-    tiles = t.scale.reshape(rp // SWIZZLE_ROWS, cp // SWIZZLE_COLS, 32, _ROW_GROUPS, SWIZZLE_COLS)
-    matrix = tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
-    other = [n for i, n in enumerate(t.compact_scale_shape) if i != t.axis]
-    return matrix.reshape(*other, cols).movedim(-1, t.axis)
+    return unswizzle_scales(t).scale
 
 
 def _axes(layout: str):
@@ -73,24 +50,6 @@ def _axes(layout: str):
     if layout == "sbhd":
         return 1, 0
     raise ValueError(f"layout: expected 'bshd' or 'sbhd' for per-(batch, head) scale packing, got {layout!r}")
-
-
-def pack_attention_scales(t: MXTensor, role: str, layout: str = "bshd") -> torch.Tensor:
-    """Torch twin of spec.swizzle.pack_attention_scales (same bytes, same shape, uint8, contiguous)."""
-    b_axis, s_axis = _axes(layout)
-    if t.ndim != 4:
-        raise ValueError(f"t: expected 4 dimensions ({layout}), got shape {t.shape}")
-    want = 3 if role == "qk" else s_axis
-    if role not in ("qk", "v"):
-        raise ValueError(f"role: expected 'qk' or 'v', got {role!r}")
-    if t.axis != want:
-        raise ValueError(f"t: role {role!r} needs scales blocked along axis {want} of {layout}, got axis {t.axis}")
-    scale = compact_scales(t)
-    if role == "qk":
-        return swizzle_matrix(scale.permute(b_axis, 2, s_axis, 3))  # [B, H, S, D/32] -> [B, H, S', C']
-    swz = swizzle_matrix(scale.permute(b_axis, 2, 3, s_axis))  # [B, H, D, S/32] -> [B, H, D', S'']
-    b, h, dp, sp = swz.shape
-    return swz.view(b, h, sp, dp)
 
 
 def pack_columnwise_plane_major(t: MXTensor, layout: str = "bshd") -> torch.Tensor:
