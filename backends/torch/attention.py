@@ -21,8 +21,9 @@ from typing import List, Optional
 import torch
 
 from spec.attention import DEFAULT_SOFTMAX_SCALE
-from spec.constants import E8M0_NAN, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.constants import E8M0_NAN, MLA_V_HEAD_DIM
 from spec.mxtensor import MXTensor
+from .swizzle import unswizzle_scales
 
 from ..registry import register
 from ._common import torch_tensor_reasons
@@ -44,18 +45,8 @@ def _e8m0_to_f32(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _compact_scales(t: MXTensor) -> torch.Tensor:
-    """The compact scale bytes of t (unswizzling when needed: SEMANTICS section 3, inverted)."""
-    if t.scale_layout == "compact":
-        return t.scale
-    rows, cols = t.scale_matrix_shape
-    rows_p, cols_p = t.swizzled_scale_shape
-    # Byte offset of S[i, j] is ((i//128)*(C'/4) + j//4)*512 + (i%32)*16 + ((i%128)//32)*4 + j%4, so the
-    # buffer is (i//128, j//4, i%32, (i%128)//32, j%4); reorder to (i//128, (i%128)//32, i%32, j//4, j%4).
-    tiles = t.scale.reshape(rows_p // SWIZZLE_ROWS, cols_p // SWIZZLE_COLS, 32, SWIZZLE_ROWS // 32, SWIZZLE_COLS)
-    matrix = tiles.permute(0, 3, 2, 1, 4).reshape(rows_p, cols_p)[:rows, :cols]
-    # The 2-D matrix has the blocked axis last and the other axes flattened in order.
-    other = [n for i, n in enumerate(t.compact_scale_shape) if i != t.axis]
-    return matrix.reshape(*other, cols).movedim(-1, t.axis)
+    """t's scale bytes in the compact layout (swizzled scales are unswizzled first)."""
+    return unswizzle_scales(t).scale
 
 
 def _dequantize(t: MXTensor) -> torch.Tensor:

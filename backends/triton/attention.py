@@ -70,8 +70,9 @@ import triton
 import triton.language as tl
 
 from spec.attention import DEFAULT_SOFTMAX_SCALE
-from spec.constants import MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.constants import MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM
 from spec.mxtensor import MXTensor
+from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
 from ._common import interpret_mode, triton_reasons
@@ -633,18 +634,8 @@ def _mx_dequantize_kernel(X, S, Y, N, INNER: tl.constexpr, BLOCK: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 
 def _compact_scale(t: MXTensor) -> torch.Tensor:
-    """t's scale bytes in the compact layout (SEMANTICS section 3 swizzle, inverted, for swizzled)."""
-    if t.scale_layout == "compact":
-        return t.scale
-    rows, cols = t.scale_matrix_shape
-    rows_p, cols_p = t.swizzled_scale_shape
-    # Swizzled byte of S[i, j] sits at index (i // 128, j // 4, i % 32, (i % 128) // 32, j % 4) of this
-    # 5-D view; reorder the axes to (i // 128, (i % 128) // 32, i % 32, j // 4, j % 4) = row-major S.
-    view = t.scale.reshape(rows_p // SWIZZLE_ROWS, cols_p // SWIZZLE_COLS, 32, SWIZZLE_ROWS // 32, SWIZZLE_COLS)
-    matrix = view.permute(0, 3, 2, 1, 4).reshape(rows_p, cols_p)[:rows, :cols]
-    # S has the blocked axis last and the other axes flattened in their order.
-    others = [n for i, n in enumerate(t.compact_scale_shape) if i != t.axis]
-    return matrix.reshape(*others, cols).movedim(-1, t.axis)
+    """t's scale bytes in the compact layout (swizzled scales are unswizzled first)."""
+    return unswizzle_scales(t).scale
 
 
 def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
