@@ -1,33 +1,36 @@
 """MXFP8 quantize (e4m3, rceil, saturate): triton rowwise / columnwise / both in one pass, against a
-device-to-device copy (the bandwidth roof), torch eager and torch.compile of the eager torch backend.
+device-to-device copy (the bandwidth roof), torch eager, torchao's MXFP8 casts (when torchao imports) and
+torch.compile of the eager torch backend.
 
-    python benchmarks/bench_quantize.py [--quick] [--sweep] [--json PATH]   # on the GPU
-    python benchmarks/bench_quantize.py --smoke                             # tiny shapes, CPU interpreter OK
+    python benchmarks/bench_quantize.py [--quick] [--sweep] [--tokens 1024,...] [--no-compile] [--json PATH]
+    python benchmarks/bench_quantize.py --smoke            # tiny shapes, CPU interpreter OK
 
-Headline: bf16 [16384, 24576] (DeepSeek-V3 q after the up-projection: T x H*192). Targets: dual
-(axis=(-1, 0)) >= 90% of copy bandwidth and >= 1.4x torch.compile producing both; rowwise >= compile.
+Headline: bf16 [16384, 24576] (DeepSeek-V3 q after the up-projection: T x H*192). --tokens sets the
+rows T of that shape (e.g. 1024,2048,4096,8192,16384,32768). Targets: dual (axis=(-1, 0)) >= 90% of copy
+bandwidth and >= 1.4x torch.compile producing both; rowwise >= compile.
 
 - copy: dst.copy_(src) of an input-sized buffer; TB/s counts its read + write.
-- an op's TB/s counts what it must move once: input read, each code array and each scale array written
-  (dual bf16: 2 + 1 + 1 + 2/32 bytes per element). "vs copy" (JSON: ratio) = op TB/s / copy TB/s,
-  the roof fraction; "vs compile" = torch.compile time / this time for the same op.
-- baselines (torch eager, torch.compile of it) run for row and dual, the two ops with targets (col
-  too with --sweep).
-- times: medians of triton.testing.do_bench(warmup=25, rep=100), which flushes L2 between runs; inputs
-  are larger than L2 (60 MB). First-call times (compile + autotune) are printed, and the autotuned
-  tile. "same" says whether the impl's codes and scales equal triton's bytes.
+- an op's TB/s counts what it must move once (JSON: bytes): input read, each code array and each scale
+  array written (dual bf16: 2 + 1 + 1 + 2/32 bytes per element). "ratio" (vs copy) = op TB/s / copy
+  TB/s at the same shape, the roof fraction; "vs compile" = torch.compile time / this time, same op.
+- peers: torch eager (row and dual; col too with --sweep), torchao (bf16 inputs, compact scales):
+  triton_to_mxfp8_dim0 (row), triton_to_mxfp8_dim1 (col), both calls (dual), and its torch
+  reference cast to_mx (row); torch.compile of the eager backend (row, dual) and of torchao's to_mx
+  (row) come last in each shape's loop, so a slow compile costs only its own rows.
+- times: medians of triton.testing.do_bench(warmup=25, rep=100), which flushes L2 between runs. First
+  call times (compile + autotune) are printed, and the autotuned tile. "same" says whether the impl's
+  codes and scales equal triton's bytes (torchao: same_frac = the fraction of equal bytes, when not 1).
 --sweep adds more shapes (DeepSeek-V3 K = 1536 / 7168 / 24576, other T), fp32 / fp16 inputs, swizzled
 scales written directly and dequantize.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchlib  # noqa: E402
 
 
 def parse_args():
@@ -35,8 +38,7 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="the headline shape only")
     ap.add_argument("--sweep", action="store_true", help="more shapes and dtypes, swizzled scales, dequantize")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
-    ap.add_argument("--json", help="also write the rows as JSON here")
+    benchlib.add_common_args(ap, tokens_axis="rows T of x [T, 24576] bf16")
     return ap.parse_args()
 
 
@@ -56,26 +58,9 @@ from backends.triton import quantize as triton_quantize  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 AXES = {"row": -1, "col": 0, "dual": (-1, 0)}
-
-
-def bench_ms(fn) -> float:
-    if DEVICE == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def first_call_s(fn) -> float:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+HEAD_N = 24576
+bench_ms, first_call_s = benchlib.bench_ms, benchlib.first_call_s
+REC = benchlib.Recorder("quantize", ARGS)
 
 
 def flat_outputs(out):
@@ -86,6 +71,21 @@ def flat_outputs(out):
 
 def same_bytes(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(u.view(torch.uint8), v.view(torch.uint8)) for u, v in zip(a, b))
+
+
+def equal_fraction(got, want) -> float | None:
+    """Fraction of equal bytes over matching tensors; a 2-D tensor whose transpose has the other's shape
+    is compared transposed (torchao writes columnwise scales as [cols, rows/32])."""
+    eq = tot = 0
+    for a, b in zip(got, want):
+        if a.shape != b.shape and a.dim() == 2 and a.t().shape == b.shape:
+            a = a.t()
+        if a.shape != b.shape:
+            return None
+        a8, b8 = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+        eq += int((a8 == b8).sum())
+        tot += a8.numel()
+    return eq / tot if tot else None
 
 
 def op_bytes(x: torch.Tensor, which: str) -> int:
@@ -103,32 +103,81 @@ def compiled_quantize(axis, scale_layout):
     return torch.compile(fn, dynamic=False)
 
 
+def torchao_casts():
+    """torchao's MXFP8 casts as {which: fn(x) -> [data, scale, ...]} plus a compile-able reference, or
+    (None, reason) when torchao does not import. API of torchao.prototype.mx_formats (0.1x):
+    kernels.triton_to_mxfp8_dim0(x, inner_block_size, scaling_mode) -> (codes [M, N], scales [M, N/32]),
+    kernels.triton_to_mxfp8_dim1(...) -> (codes [M, N] as a transposed view, scales [N, M/32]),
+    mx_tensor.to_mx(x, elem_dtype, block_size, ScaleCalculationMode) -> (scales, codes): torch ops."""
+    try:
+        import torchao
+        from torchao.prototype.mx_formats import kernels as ao_kernels
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except Exception as exc:  # noqa: BLE001 - torchao is optional
+        return None, f"torchao peers skipped: import failed ({type(exc).__name__}: {str(exc)[:160]})"
+
+    def dim0(x):
+        d, s = ao_kernels.triton_to_mxfp8_dim0(x, inner_block_size=32, scaling_mode="rceil")
+        return [d, s]
+
+    def dim1(x):
+        d, s = ao_kernels.triton_to_mxfp8_dim1(x, inner_block_size=32, scaling_mode="rceil")
+        return [d, s]
+
+    def reference(x):
+        s, d = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
+        return [d, s.reshape(d.shape[0], -1)]
+
+    peers = {
+        "row": [("torchao triton_to_mxfp8_dim0", dim0), ("torchao to_mx (torch ops)", reference)],
+        "col": [("torchao triton_to_mxfp8_dim1", dim1)],
+        "dual": [("torchao dim0 + dim1 (two kernels)", lambda x: dim0(x) + dim1(x))],
+    }
+    return (peers, reference), f"torchao {getattr(torchao, '__version__', '?')}"
+
+
 def shapes_and_dtypes():
+    """(rows T, columns, dtype) in the order measured (ascending T: a time cap keeps the small ones)."""
     if ARGS.smoke:
-        return [((64, 96), torch.bfloat16), ((96, 160), torch.float32)]
-    head = [((16384, 24576), torch.bfloat16)]
+        if ARGS.tokens:
+            return [(t, 96, torch.bfloat16) for t in ARGS.tokens]
+        return [(64, 96, torch.bfloat16), (96, 160, torch.float32)]
+    head = [(t, HEAD_N, torch.bfloat16) for t in (ARGS.tokens or [16384])]
     if ARGS.quick or not ARGS.sweep:
         return head
-    return head + [((16384, 1536), torch.bfloat16), ((65536, 1536), torch.bfloat16), ((16384, 7168), torch.bfloat16),
-                   ((4096, 24576), torch.bfloat16), ((16384, 24576 + 96), torch.bfloat16),
-                   ((8192, 24576), torch.float32), ((16384, 24576), torch.float16)]
+    extra = [(16384, 1536, torch.bfloat16), (65536, 1536, torch.bfloat16), (16384, 7168, torch.bfloat16),
+             (4096, HEAD_N, torch.bfloat16), (16384, HEAD_N + 96, torch.bfloat16),
+             (8192, HEAD_N, torch.float32), (16384, HEAD_N, torch.float16)]
+    return head + [s for s in extra if s not in head]
 
 
-def main():
-    rows, notes = [], []
+def measure():
+    REC.load_peaks()
+    ao, ao_note = torchao_casts()
+    REC.note(ao_note)
     layouts = ("compact", "swizzled") if (ARGS.sweep or ARGS.smoke) else ("compact",)
-    for (m, n), dtype in shapes_and_dtypes():
+    for m, n, dtype in shapes_and_dtypes():
         g = torch.Generator(device="cpu").manual_seed(0)
         x = (torch.randn(m, n, generator=g) * torch.exp2(torch.randint(-8, 9, (m, 1), generator=g).float()))
         x = x.to(dtype).to(DEVICE)
-        shape = f"[{m},{n}] {str(dtype).replace('torch.', '')}"
+        dname = str(dtype).replace("torch.", "")
+        shape, family = f"[{m},{n}] {dname}", f"[T,{n}] {dname}"
+        common = dict(shape=shape, family=family, tokens=m)
 
         dst = torch.empty_like(x)
         copy_ms = bench_ms(lambda: dst.copy_(x))
-        copy_tbps = 2 * x.numel() * x.element_size() / copy_ms / 1e9
-        rows.append(dict(op="copy", shape=shape, impl="torch copy_", ms=copy_ms, tbps=copy_tbps, ratio=1.0, vs="copy"))
+        copy_bytes = 2 * x.numel() * x.element_size()
+        copy_tbps = copy_bytes / copy_ms / 1e9
+        REC.row(op="copy", impl="torch copy_", ms=copy_ms, tbps=copy_tbps, ratio=1.0, vs="copy", bytes=copy_bytes,
+                **common)
         del dst
 
+        def add(op, impl, ms, nbytes, **kw):
+            return REC.row(op=op, impl=impl, ms=ms, tbps=nbytes / ms / 1e9, ratio=nbytes / ms / 1e9 / copy_tbps,
+                           vs="copy", bytes=nbytes, **common, **kw)
+
+        deferred = []  # torch.compile baselines: measured after everything else of this shape
         for layout in layouts:
             for which in ("row", "col", "dual"):
                 axis = AXES[which]
@@ -144,36 +193,36 @@ def main():
                 best = getattr(triton_quantize._quantize_tuned, "best_config", None) if DEVICE == "cuda" else None
                 tile = (f"BM={best.kwargs['BM']} BN={best.kwargs['BN']} warps={best.num_warps} maxnreg={best.maxnreg}"
                         if best is not None else f"{triton_quantize._INTERPRET_CONFIG} (interpreter)")
-                notes.append(f"triton {op} {shape}: first call {secs:.2f} s (compile + autotune); tile {tile}")
-                trow = dict(op=op, shape=shape, impl="triton", ms=ms, tbps=nbytes / ms / 1e9,
-                            ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy", same=True, note=tile)
-                rows.append(trow)
+                REC.note(f"triton {op} {shape}: first call {secs:.2f} s (compile + autotune); tile {tile}")
+                trow = add(op, "triton", ms, nbytes, same=True, note=tile)
 
-                baselines = []
+                peers = []
                 if which != "col" or ARGS.sweep or ARGS.smoke:  # the targets compare row and dual
-                    baselines.append(("torch eager", lambda axis=axis, layout=layout: flat_outputs(
+                    peers.append(("torch eager", lambda axis=axis, layout=layout: flat_outputs(
                         torch_quantize.mxfp8_quantize(x, axis=axis, scale_layout=layout))))
-                if DEVICE == "cuda" and not ARGS.no_compile and (which != "col" or ARGS.sweep):
-                    baselines.append(("torch.compile(eager)", compiled_quantize(axis, layout)))
-                for name, fn in baselines:
+                if ao is not None and layout == "compact" and dtype == torch.bfloat16:
+                    peers += [(name, lambda fn=fn: fn(x)) for name, fn in ao[0][which]]
+                for name, fn in peers:
                     try:
-                        if name.startswith("torch.compile"):
-                            secs = first_call_s(lambda: fn(x))
-                            notes.append(f"{name} {op} {shape}: first call {secs:.2f} s")
-                            out = list(fn(x))
-                            bms = bench_ms(lambda: fn(x))
-                        else:
-                            out = fn()
-                            bms = bench_ms(fn)
+                        if name.startswith("torchao"):
+                            REC.note(f"{name} {op} {shape}: first call {first_call_s(fn):.2f} s (compile + autotune)")
+                        out = fn()
+                        frac = equal_fraction(out, ref)
+                        pms = bench_ms(fn)
                     except Exception as exc:  # noqa: BLE001 - report it, keep benchmarking
-                        notes.append(f"{name} {op} {shape}: failed ({type(exc).__name__}: {str(exc)[:300]})")
+                        REC.note(f"{name} {op} {shape}: failed ({type(exc).__name__}: {str(exc)[:300]})")
                         continue
-                    rows.append(dict(op=op, shape=shape, impl=name, ms=bms, tbps=nbytes / bms / 1e9,
-                                     ratio=nbytes / bms / 1e9 / copy_tbps, vs="copy", same=same_bytes(out, ref)))
-                    if name.startswith("torch.compile"):
-                        trow["vs_compile"] = bms / ms
+                    extra = {} if frac in (None, 1.0) else {"same_frac": frac}
+                    add(op, name, pms, nbytes, same=frac == 1.0 if frac is not None else None, **extra)
                     del out
                 del ref
+
+                if DEVICE == "cuda" and not ARGS.no_compile and (which != "col" or ARGS.sweep):
+                    deferred.append((op, "torch.compile(eager)", compiled_quantize(axis, layout), run_triton,
+                                     nbytes, trow))
+                    if ao is not None and which == "row" and layout == "compact" and dtype == torch.bfloat16:
+                        deferred.append((op, "torch.compile(torchao to_mx)", torch.compile(ao[1], dynamic=False),
+                                         run_triton, nbytes, None))
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
 
@@ -184,30 +233,35 @@ def main():
                     op = f"dequantize {out_dtype}" + (" swz" if layout == "swizzled" else "")
                     nbytes = x.numel() * (1 + size) + x.numel() // 32
                     first_call_s(lambda: triton_quantize.mxfp8_dequantize(t, out_dtype))
-                    ms = bench_ms(lambda: triton_quantize.mxfp8_dequantize(t, out_dtype))
-                    rows.append(dict(op=op, shape=shape, impl="triton", ms=ms, tbps=nbytes / ms / 1e9,
-                                     ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy"))
-                    ms = bench_ms(lambda: torch_quantize.mxfp8_dequantize(t, out_dtype))
-                    rows.append(dict(op=op, shape=shape, impl="torch eager", ms=ms, tbps=nbytes / ms / 1e9,
-                                     ratio=nbytes / ms / 1e9 / copy_tbps, vs="copy"))
+                    add(op, "triton", bench_ms(lambda: triton_quantize.mxfp8_dequantize(t, out_dtype)), nbytes)
+                    add(op, "torch eager", bench_ms(lambda: torch_quantize.mxfp8_dequantize(t, out_dtype)), nbytes)
                 del t
-        del x
+
+        for op, name, fn, run_triton, nbytes, trow in deferred:
+            try:
+                secs = first_call_s(lambda: fn(x))
+                REC.note(f"{name} {op} {shape}: first call {secs:.2f} s")
+                frac = equal_fraction(list(fn(x)), flat_outputs(run_triton()))
+                cms = bench_ms(lambda: fn(x))
+            except Exception as exc:  # noqa: BLE001 - report it, keep benchmarking
+                REC.note(f"{name} {op} {shape}: failed ({type(exc).__name__}: {str(exc)[:300]})")
+                continue
+            extra = {} if frac in (None, 1.0) else {"same_frac": frac}
+            add(op, name, cms, nbytes, same=frac == 1.0 if frac is not None else None, **extra)
+            if trow is not None:
+                trow["vs_compile"] = cms / trow["ms"]
+                REC.note(f"triton {op} {shape}: {trow['vs_compile']:.2f}x torch.compile")
+        del x, deferred
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
-    for note in notes:
-        print(note)
-    print()
-    print(f"{'op':24} {'shape':24} {'impl':22} {'ms':>9} {'TB/s':>7} {'vs copy':>8} {'vs compile':>10} same")
-    for r in rows:
-        vc = f"{r['vs_compile']:10.2f}" if "vs_compile" in r else " " * 10
-        print(f"{r['op']:24} {r['shape']:24} {r['impl']:22} {r['ms']:9.4f} {r['tbps']:7.3f} "
-              f"{r['ratio']:8.3f} {vc} {r.get('same', '')}")
-    if ARGS.json:
-        device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-        rows[0]["note"] = f"{device}, torch {torch.__version__}, triton {triton.__version__}"
-        with open(ARGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+
+def main():
+    REC.run(measure)
+    REC.finish([("op", "op", 24, ""), ("shape", "shape", 24, ""), ("impl", "impl", 34, ""), benchlib.MS,
+                benchlib.TBPS, ("ratio", "vs copy", 8, ".3f"), ("vs_compile", "vs compile", 10, ".2f"),
+                benchlib.OF_ROOF, ("same", "same", 5, "")],
+               extra=dict(versions=f"torch {torch.__version__}, triton {triton.__version__}"))
 
 
 if __name__ == "__main__":
