@@ -1,11 +1,12 @@
 """MLA attention (DeepSeek-V3 heads: q/k 192, v 128), forward and backward, bf16 and MXFP8 inputs:
 triton vs torch SDPA's cuDNN / flash / memory-efficient backends on the same inputs.
 
-    python benchmarks/bench_attention.py [--quick] [--json PATH]    # on the GPU
+    python benchmarks/bench_attention.py [--quick] [--tokens 1024,...] [--json PATH]    # on the GPU
     python benchmarks/bench_attention.py --smoke                    # tiny shapes, CPU interpreter OK
 
 Shapes: B=1, S=4096, H=128 causal (the target shape; --quick runs only this one), plus S=4096
-non-causal and S=8192 causal. Inputs are bshd (q 201 MB at the target shape: larger than L2).
+non-causal and S=8192 causal; --tokens sets S (B=1, H=128, causal, one case per S). Inputs are bshd
+(q 201 MB at the target shape: larger than L2). --no-compile is accepted (no torch.compile here).
 Times are medians of triton.testing.do_bench(warmup=25, rep=100).
 
 FLOPs: forward 2*B*H*S_q*S_kv*(192 + 128), backward 2*B*H*S_q*S_kv*(3*192 + 2*128) (the five
@@ -27,20 +28,19 @@ every output against the first baseline that ran ("err"), so a fast wrong result
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchlib  # noqa: E402
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only B=1 S=4096 H=128 causal")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--json", help="also write the rows as JSON here")
+    benchlib.add_common_args(ap, tokens_axis="S (B=1, H=128, causal)")
     return ap.parse_args()
 
 
@@ -59,28 +59,14 @@ from spec.mxtensor import MXTensor  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D_QK, D_V = 192, 128
 TARGETS = {("fwd", "bf16"): 0.85, ("fwd", "mxfp8"): 0.75, ("bwd", "bf16"): 0.70}
-
-
-def bench_ms(fn) -> float:
-    if DEVICE == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    start = time.perf_counter()  # smoke: one timed call, only to show the table works
-    fn()
-    return (time.perf_counter() - start) * 1e3
+bench_ms = benchlib.bench_ms
+REC = benchlib.Recorder("attention", ARGS)
 
 
 def first_call_s(fn) -> float:
     for kernel in (tri._mla_fwd_kernel, tri._mla_bwd_dkdv_kernel, tri._mla_bwd_dq_kernel):
         kernel.configs_timings = {}  # so tuning_notes shows only what this call tuned
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return benchlib.first_call_s(fn)
 
 
 def rel_err(a, b) -> float:
@@ -124,6 +110,23 @@ def flops(b, s, h, causal, direction):
     return pairs * per_pair
 
 
+def traffic(b, s, h, direction, tag):
+    """Bytes the op must move once. fwd: q, k, v in, o out (bf16; MXFP8 inputs: 1-byte codes + 1/32
+    scale bytes); bwd: q, k, v, o, do in, dq, dk, dv out (bf16); lse (fp32) either way."""
+    tokens = b * s * h
+    in_size = 1 + 1 / 32 if tag.startswith("mxfp8") and direction == "fwd" else 2
+    if direction == "fwd":
+        return int(tokens * ((2 * D_QK + D_V) * in_size + 2 * D_V + 4))
+    return int(tokens * 2 * (2 * D_QK + 3 * D_V + 2 * D_QK + D_V) + tokens * 4)
+
+
+def case_keys(b, s, h, causal, direction, tag):
+    """The row keys every attention row shares: shape, tokens, family, flops, bytes."""
+    shape = f"B{b} S{s} H{h}{' causal' if causal else ''}"
+    return dict(shape=shape, tokens=s, family=f"B{b} H{h}{' causal' if causal else ''} {tag.split()[0]}",
+                flops=flops(b, s, h, causal, direction), bytes=traffic(b, s, h, direction, tag))
+
+
 # --------------------------------------------------------------------------------------------------
 # Baselines: torch SDPA
 # --------------------------------------------------------------------------------------------------
@@ -151,21 +154,25 @@ def sdpa_call(backend, q, k, v, causal, scale, pad_v):
     return o[..., :D_V] if pad_v else o
 
 
-def run_baselines(rows, notes, shape, b, s, h, causal, q, k, v, do, scale, tag):
+def run_baselines(b, s, h, causal, q, k, v, do, scale, tag):
     """Forward and backward of every SDPA backend; returns {(name, direction): (ms, output)}."""
     results = {}
     for name, backend in sdpa_backends():
         for pad_v in (False, True):
             label = name + (" v->192" if pad_v else "")
+            keys = case_keys(b, s, h, causal, "fwd", tag)
             try:
                 o = sdpa_call(backend, q, k, v, causal, scale, pad_v)
                 ms = bench_ms(lambda: sdpa_call(backend, q, k, v, causal, scale, pad_v))
             except Exception as exc:  # noqa: BLE001 - a refusal is a result
-                notes.append(f"{label} fwd {shape}: not accepted ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+                REC.note(f"{label} fwd {keys['shape']}: not accepted ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160]})")
                 continue
             results[(name, "fwd")] = (ms, o.transpose(1, 2))
-            rows.append(dict(op="fwd", inputs=tag, shape=shape, impl=label, ms=ms,
-                             tflops=flops(b, s, h, causal, "fwd") / ms / 1e9))
+            cudnn = results.get(("sdpa cudnn", "fwd"), (None,))[0]
+            REC.row(op="fwd", inputs=tag, impl=label, ms=ms, tflops=keys["flops"] / ms / 1e9,
+                    ratio=cudnn / ms if cudnn else None, vs="sdpa cudnn" if cudnn else None, **keys)
+            keys = case_keys(b, s, h, causal, "bwd", tag)
             try:
                 qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
                 og = sdpa_call(backend, qg, kg, vg, causal, scale, pad_v)
@@ -173,11 +180,13 @@ def run_baselines(rows, notes, shape, b, s, h, causal, q, k, v, do, scale, tag):
                 grads = torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True)
                 ms = bench_ms(lambda: torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True))
                 results[(name, "bwd")] = (ms, grads)
-                rows.append(dict(op="bwd", inputs=tag, shape=shape, impl=label, ms=ms,
-                                 tflops=flops(b, s, h, causal, "bwd") / ms / 1e9))
+                cudnn = results.get(("sdpa cudnn", "bwd"), (None,))[0]
+                REC.row(op="bwd", inputs=tag, impl=label, ms=ms, tflops=keys["flops"] / ms / 1e9,
+                        ratio=cudnn / ms if cudnn else None, vs="sdpa cudnn" if cudnn else None, **keys)
                 del og, grads, qg, kg, vg
             except Exception as exc:  # noqa: BLE001
-                notes.append(f"{label} bwd {shape}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+                REC.note(f"{label} bwd {keys['shape']}: failed ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:160]})")
             break  # the unpadded call worked (or the padded one did): no need for the next variant
     return results
 
@@ -223,24 +232,28 @@ def wgmma_report():
     return lines
 
 
-def main():
+def cases():
+    h = 2 if ARGS.smoke else 128
+    if ARGS.tokens:
+        return [(1, t, h, True) for t in ARGS.tokens]
     if ARGS.smoke:
-        cases = [(1, 64, 2, True)]
-    elif ARGS.quick:
-        cases = [(1, 4096, 128, True)]
-    else:
-        cases = [(1, 4096, 128, True), (1, 4096, 128, False), (1, 8192, 128, True)]
-    scale = 1.0 / math.sqrt(D_QK)
+        return [(1, 64, 2, True)]
+    if ARGS.quick:
+        return [(1, 4096, 128, True)]
+    return [(1, 4096, 128, True), (1, 4096, 128, False), (1, 8192, 128, True)]
 
-    rows, notes = [], []
-    for b, s, h, causal in cases:
+
+def measure():
+    REC.load_peaks()
+    scale = 1.0 / math.sqrt(D_QK)
+    for b, s, h, causal in cases():
         shape = f"B{b} S{s} H{h}{' causal' if causal else ''}"
         q, k, v, do = make_inputs(b, s, h)
         q_mx, k_mx, v_mx = quantize_mx(q, -1), quantize_mx(k, -1), quantize_mx(v, 1)
         q_dq, k_dq, v_dq = (tri._dequantize_bf16(x) for x in (q_mx, k_mx, v_mx))
 
-        base = run_baselines(rows, notes, shape, b, s, h, causal, q, k, v, do, scale, "bf16")
-        base_mx = run_baselines(rows, notes, shape, b, s, h, causal, q_dq, k_dq, v_dq, do, scale, "mxfp8 (dequantized)")
+        base = run_baselines(b, s, h, causal, q, k, v, do, scale, "bf16")
+        base_mx = run_baselines(b, s, h, causal, q_dq, k_dq, v_dq, do, scale, "mxfp8 (dequantized)")
         ref_fwd = next((base[(n, "fwd")][1] for n, _ in sdpa_backends() if (n, "fwd") in base), None)
         ref_bwd = next((base[(n, "bwd")][1] for n, _ in sdpa_backends() if (n, "bwd") in base), None)
         ref_fwd_mx = next((base_mx[(n, "fwd")][1] for n, _ in sdpa_backends() if (n, "fwd") in base_mx), None)
@@ -253,24 +266,27 @@ def main():
             if ref is not None:
                 both = list(zip(out, ref)) if isinstance(out, tuple) else [(out, ref)]
                 err = max(rel_err(a, r) for a, r in both)
-            rows.append(dict(op=op, inputs=tag, shape=shape, impl=impl, ms=ms,
-                             tflops=flops(b, s, h, causal, op) / ms / 1e9,
-                             vs_cudnn=(vs_ms / ms) if vs_ms else None, err=err,
-                             vs_best=(best[op] / ms) if best[op] else None,
-                             target=TARGETS.get(target_key) if target_key else None))
+            keys = case_keys(b, s, h, causal, op, tag)
+            REC.row(op=op, inputs=tag, impl=impl, ms=ms, tflops=keys["flops"] / ms / 1e9,
+                    ratio=(vs_ms / ms) if vs_ms else None, vs="sdpa cudnn" if vs_ms else None,
+                    vs_cudnn=(vs_ms / ms) if vs_ms else None, err=err,
+                    vs_best=(best[op] / ms) if best[op] else None,
+                    target=TARGETS.get(target_key) if target_key else None, **keys)
 
         # Forward, bf16.
         fwd = lambda: tri.mla_attention(q, k, v, causal=causal)  # noqa: E731
-        notes.append(f"triton fwd bf16 {shape}: first call {first_call_s(fwd):.1f} s (compile + autotune)")
-        notes += tuning_notes(tri._mla_fwd_kernel, "fwd bf16")
+        REC.note(f"triton fwd bf16 {shape}: first call {first_call_s(fwd):.1f} s (compile + autotune)")
+        for line in tuning_notes(tri._mla_fwd_kernel, "fwd bf16"):
+            REC.note(line)
         o, lse = fwd()
         add_row("fwd", "bf16", "triton", bench_ms(fwd), o, ref_fwd, cudnn["fwd"], ("fwd", "bf16"))
 
         # Forward, MXFP8, both dequantize placements.
         for mode in ("load", "predequant"):
             fwd_mx = lambda: tri._forward(q_mx, k_mx, v_mx, causal, None, "bshd", None, None, mx_dequant=mode)  # noqa: E731
-            notes.append(f"triton fwd mxfp8 ({mode}) {shape}: first call {first_call_s(fwd_mx):.1f} s")
-            notes += tuning_notes(tri._mla_fwd_kernel, f"fwd mxfp8 {mode}")
+            REC.note(f"triton fwd mxfp8 ({mode}) {shape}: first call {first_call_s(fwd_mx):.1f} s")
+            for line in tuning_notes(tri._mla_fwd_kernel, f"fwd mxfp8 {mode}"):
+                REC.note(line)
             o_mx, _ = fwd_mx()
             impl = "triton (dequant in load)" if mode == "load" else "triton (k,v predequant)"
             add_row("fwd", "mxfp8", impl, bench_ms(fwd_mx), o_mx, ref_fwd_mx, cudnn_mx or cudnn["fwd"],
@@ -278,16 +294,17 @@ def main():
 
         # Backward, bf16 (the forward's own o and lse).
         bwd = lambda: tri.mla_attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
-        notes.append(f"triton bwd bf16 {shape}: first call {first_call_s(bwd):.1f} s (compile + autotune)")
-        notes += tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv")
-        notes += tuning_notes(tri._mla_bwd_dq_kernel, "bwd dq")
+        REC.note(f"triton bwd bf16 {shape}: first call {first_call_s(bwd):.1f} s (compile + autotune)")
+        for line in tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv") + tuning_notes(tri._mla_bwd_dq_kernel, "bwd dq"):
+            REC.note(line)
         grads = bwd()
         add_row("bwd", "bf16", "triton", bench_ms(bwd), grads, ref_bwd, cudnn["bwd"], ("bwd", "bf16"))
 
         # Backward, bf16, dq by atomics from the dkdv kernel (opt-in; not deterministic).
         bwd_at = lambda: tri._backward(do, q, k, v, o, lse, causal, None, "bshd", None, None, dq_mode="atomic")  # noqa: E731
-        notes.append(f"triton bwd bf16 atomic-dq {shape}: first call {first_call_s(bwd_at):.1f} s")
-        notes += tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv atomic-dq")
+        REC.note(f"triton bwd bf16 atomic-dq {shape}: first call {first_call_s(bwd_at):.1f} s")
+        for line in tuning_notes(tri._mla_bwd_dkdv_kernel, "bwd dkdv atomic-dq"):
+            REC.note(line)
         add_row("bwd", "bf16", "triton (atomic dq)", bench_ms(bwd_at), bwd_at(), ref_bwd, cudnn["bwd"])
 
         # Backward, MXFP8 operands (dequantized once, then the bf16 kernels).
@@ -300,26 +317,16 @@ def main():
             torch.cuda.empty_cache()
 
     if DEVICE == "cuda":
-        notes.append("compiled kernels (sass):")
-        notes += wgmma_report()
-    for note in notes:
-        print(note)
-    print()
-    print(f"{'op':4} {'inputs':20} {'shape':22} {'impl':26} {'ms':>9} {'TFLOP/s':>8} {'vs cudnn':>9} "
-          f"{'target':>7} {'err':>8} {'vs best sdpa':>12}")
-    for r in rows:
-        vs = f"{r['vs_cudnn']:9.3f}" if r.get("vs_cudnn") else f"{'':9}"
-        vb = f"{r['vs_best']:12.3f}" if r.get("vs_best") else f"{'':12}"
-        tgt = f"{r['target']:7.2f}" if r.get("target") else f"{'':7}"
-        err = f"{r['err']:8.1e}" if r.get("err") is not None else f"{'':8}"
-        print(f"{r['op']:4} {r['inputs']:20} {r['shape']:22} {r['impl']:26} {r['ms']:9.4f} {r['tflops']:8.1f} "
-              f"{vs} {tgt} {err} {vb}")
-    if ARGS.json:
-        dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-        for r in rows:
-            r["device"] = dev
-        with open(ARGS.json, "w") as f:
-            json.dump(dict(rows=rows, notes=notes), f, indent=1)
+        REC.note("compiled kernels (sass):")
+        for line in wgmma_report():
+            REC.note(line)
+
+
+def main():
+    REC.run(measure)
+    REC.finish([("op", "op", 4, ""), ("inputs", "inputs", 20, ""), ("shape", "shape", 22, ""), ("impl", "impl", 26, ""),
+                benchlib.MS, benchlib.TFLOPS, ("vs_cudnn", "vs cudnn", 9, ".3f"), ("target", "target", 7, ".2f"),
+                ("err", "err", 8, ".1e"), ("vs_best", "vs best sdpa", 12, ".3f"), benchlib.OF_ROOF])
 
 
 if __name__ == "__main__":

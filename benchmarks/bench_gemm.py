@@ -3,7 +3,7 @@ kernels, autotuned; sm100: tl.dot_scaled) vs the bf16 GEMM of the same shape (to
 torch._scaled_mm with per-tensor fp8 scales (cuBLAS fp8: the hardware's fp8 rate without block scales,
 an extra reference) vs the torch backend's mxfp8_gemm (dequantize + fp32 matmul).
 
-    python benchmarks/bench_gemm.py [--quick] [--json PATH]    # on the GPU
+    python benchmarks/bench_gemm.py [--quick] [--tokens 1024,...] [--json PATH]    # on the GPU
     python benchmarks/bench_gemm.py --smoke                    # tiny shapes, CPU interpreter OK
 
 Target (issue): [4096 x 1536] x [24576 x 1536] faster than the bf16 cuBLAS GEMM. See the cost model in
@@ -12,23 +12,24 @@ about the bf16 tensor-core peak. Times: medians of triton.testing.do_bench(warmu
 M = 4096 the codes are 6.3 MB (a) + 37.7 MB (b) and the bf16 output 201 MB, well beyond L2.
 The last table: op, shape, impl, ms, TFLOP/s (2MNK), ratio = bf16 GEMM ms / impl
 ms (> 1: faster than cuBLAS bf16), and max |impl - triton| / max |triton| as a sanity column.
+--tokens sets M (the token rows of a [M, 1536] x [24576, 1536] GEMM); --no-compile is accepted (no
+torch.compile baseline here).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchlib  # noqa: E402
 
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="M = 4096 only")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--json", help="also write the rows as JSON here")
+    benchlib.add_common_args(ap, tokens_axis="M of a [M, 1536] against b [24576, 1536]")
     return ap.parse_args()
 
 
@@ -47,26 +48,9 @@ from backends.triton import gemm as triton_gemm  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANT = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-
-
-def bench_ms(fn) -> float:
-    if DEVICE == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def first_call_s(fn) -> float:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+bench_ms, first_call_s = benchlib.bench_ms, benchlib.first_call_s
+REC = benchlib.Recorder("gemm", ARGS)
+VS = "bf16 cuBLAS"  # ratio = the bf16 GEMM's ms / impl ms at the same shape (> 1: faster)
 
 
 def rel_diff(got, ref) -> float:
@@ -74,27 +58,35 @@ def rel_diff(got, ref) -> float:
     return float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
 
 
-def main():
+def shapes():
     if ARGS.smoke:
-        shapes = [(64, 96, 128)]
-    elif ARGS.quick:
-        shapes = [(4096, 24576, 1536)]
-    else:
-        shapes = [(4096, 24576, 1536), (16384, 24576, 1536), (4096, 4096, 4096)]
+        return [(t, 96, 128) for t in ARGS.tokens] if ARGS.tokens else [(64, 96, 128)]
+    if ARGS.tokens:
+        return [(t, 24576, 1536) for t in ARGS.tokens]
+    if ARGS.quick:
+        return [(4096, 24576, 1536)]
+    return [(4096, 24576, 1536), (16384, 24576, 1536), (4096, 4096, 4096)]
 
-    rows, notes = [], []
-    for M, N, K in shapes:
+
+def measure():
+    REC.load_peaks()
+    for M, N, K in shapes():
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(DEVICE)
         w = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16).to(DEVICE)
         a = torch_quantize.mxfp8_quantize(x, axis=1, **QUANT)
         b = torch_quantize.mxfp8_quantize(w, axis=1, **QUANT)
         flops = 2.0 * M * N * K
-        shape = f"{M}x{K} @ {N}x{K}"
+        mx_bytes = (M + N) * K + (M + N) * K // 32 + 2 * M * N  # codes + scales in, bf16 out
+        common = dict(shape=f"{M}x{K} @ {N}x{K}", family=f"N{N} K{K}", tokens=M, flops=flops)
 
         bf16_ms = bench_ms(lambda: torch.matmul(x, w.t()))
-        rows.append(dict(op="gemm", shape=shape, impl="torch.matmul bf16 (cuBLAS)", ms=bf16_ms,
-                         tflops=flops / bf16_ms / 1e9, ratio=1.0))
+        REC.row(op="gemm", impl="torch.matmul bf16 (cuBLAS)", ms=bf16_ms, tflops=flops / bf16_ms / 1e9, ratio=1.0,
+                vs=VS, bytes=2 * (M + N) * K + 2 * M * N, **common)
+
+        def add(impl, ms, nbytes, **kw):
+            REC.row(op="gemm", impl=impl, ms=ms, tflops=flops / ms / 1e9, ratio=bf16_ms / ms, vs=VS, bytes=nbytes,
+                    **common, **kw)
 
         ref = None
         variants = ["dot_scaled"] if triton_gemm.use_dot_scaled(a.data.device) else ["tma", "pointer"]
@@ -104,13 +96,12 @@ def main():
             secs = first_call_s(fn)
             tuner = {"tma": triton_gemm._gemm_tma, "pointer": triton_gemm._gemm_sm90,
                      "dot_scaled": triton_gemm._gemm_sm100}[variant]
-            notes.append(f"triton mxfp8_gemm [{variant}] {shape}: first call {secs:.2f} s; "
-                         f"pick {getattr(tuner, 'best_config', None) or '(fixed config)'}")
+            REC.note(f"triton mxfp8_gemm [{variant}] {common['shape']}: first call {secs:.2f} s; "
+                     f"pick {getattr(tuner, 'best_config', None) or '(fixed config)'}")
             got = fn()
             ref = got.clone() if ref is None else ref
-            ms = bench_ms(fn)
-            rows.append(dict(op="gemm", shape=shape, impl=f"triton mxfp8 [{variant}]", ms=ms,
-                             tflops=flops / ms / 1e9, ratio=bf16_ms / ms, diff=rel_diff(got, ref)))
+            add(f"triton mxfp8 [{variant}]", bench_ms(fn), mx_bytes, diff=rel_diff(got, ref))
+            del out, got
 
         if DEVICE == "cuda" and hasattr(torch, "_scaled_mm"):
             try:
@@ -120,37 +111,28 @@ def main():
                 inv = torch.full((), 1 / 32, device=DEVICE)
                 fn = lambda: torch._scaled_mm(xf, wf.t(), scale_a=one, scale_b=inv, out_dtype=torch.bfloat16)  # noqa: E731
                 got = fn()
-                ms = bench_ms(fn)
-                rows.append(dict(op="gemm", shape=shape, impl="torch._scaled_mm fp8 per-tensor", ms=ms,
-                                 tflops=flops / ms / 1e9, ratio=bf16_ms / ms, diff=rel_diff(got, ref)))
+                add("torch._scaled_mm fp8 per-tensor", bench_ms(fn), (M + N) * K + 2 * M * N, diff=rel_diff(got, ref))
+                del got, xf, wf
             except Exception as exc:  # noqa: BLE001
-                notes.append(f"torch._scaled_mm {shape}: failed ({type(exc).__name__}: {exc})")
+                REC.note(f"torch._scaled_mm {common['shape']}: failed ({type(exc).__name__}: {exc})")
 
         if M <= 4096:
             try:
                 fn = lambda: torch_gemm.mxfp8_gemm(a, b, "bfloat16")  # noqa: E731
                 got = fn()
-                ms = bench_ms(fn)
-                rows.append(dict(op="gemm", shape=shape, impl="torch backend mxfp8_gemm", ms=ms,
-                                 tflops=flops / ms / 1e9, ratio=bf16_ms / ms, diff=rel_diff(got, ref)))
+                add("torch backend mxfp8_gemm", bench_ms(fn), mx_bytes, diff=rel_diff(got, ref))
+                del got
             except Exception as exc:  # noqa: BLE001
-                notes.append(f"torch backend {shape}: failed ({type(exc).__name__}: {exc})")
+                REC.note(f"torch backend {common['shape']}: failed ({type(exc).__name__}: {exc})")
         del x, w, a, b, ref
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
-    for note in notes:
-        print(note)
-    print()
-    print(f"{'op':5} {'shape':26} {'impl':34} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8} {'rel diff':>9}")
-    for r in rows:
-        diff = f"{r['diff']:9.2e}" if "diff" in r else ""
-        print(f"{r['op']:5} {r['shape']:26} {r['impl']:34} {r['ms']:9.4f} {r['tflops']:8.1f} {r['ratio']:8.3f} {diff}")
-    if ARGS.json:
-        for r in rows:
-            r["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-        with open(ARGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
+
+def main():
+    REC.run(measure)
+    REC.finish([("op", "op", 5, ""), ("shape", "shape", 26, ""), ("impl", "impl", 34, ""), benchlib.MS,
+                benchlib.TFLOPS, ("ratio", "vs bf16", 8, ".3f"), benchlib.OF_ROOF, ("diff", "rel diff", 9, ".2e")])
 
 
 if __name__ == "__main__":

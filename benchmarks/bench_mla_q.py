@@ -5,7 +5,7 @@ bf16, cos/sin [T, 64]): triton (TMA and pointer kernels, each autotuned) vs the 
 backward (triton pre-pass + cuBLAS GEMMs vs the torch eager composition) and, with --mx, the MXFP8
 projection variant.
 
-    python benchmarks/bench_mla_q.py [--quick] [--mx] [--json PATH]    # on the GPU
+    python benchmarks/bench_mla_q.py [--quick] [--mx] [--tokens 1024,...] [--no-compile] [--json PATH]  # GPU
     python benchmarks/bench_mla_q.py --smoke                            # tiny shapes, CPU interpreter OK
 
 Targets (issue): fused <= 1.15x the time of the bf16 GEMM alone, and >= 1.5x faster than torch.compile
@@ -14,16 +14,17 @@ rep=100); inputs exceed L2 (w alone is 75 MB). TFLOP/s counts the GEMM's 2*T*N*K
 op, shape, impl, ms, TFLOP/s, ratio to the bf16 GEMM (impl ms / gemm ms: the issue's 1.15x figure),
 and "same" = fraction of code bytes equal to the triton output (the GEMM's summation order may flip
 rare codes; SEMANTICS 6). First-call times (compile + autotune) and the autotuner's pick are printed.
+--tokens sets T (default 4096, 16384, and 32768 without --quick); for each T the torch.compile baseline
+runs last, after the backward and MXFP8 rows, so a slow compile costs only its own row.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchlib  # noqa: E402
 
 
 def parse_args():
@@ -31,7 +32,7 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="T in 4096, 16384 only; no backward")
     ap.add_argument("--mx", action="store_true", help="also the MXFP8-projection variant")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    ap.add_argument("--json", help="also write the rows as JSON here")
+    benchlib.add_common_args(ap, tokens_axis="T of x [T, 1536]")
     return ap.parse_args()
 
 
@@ -47,31 +48,13 @@ backends.load()
 from backends.torch import quantize as torch_quantize  # noqa: E402
 from backends.torch import rope as torch_rope  # noqa: E402
 from backends.triton import mla_q as triton_mla_q  # noqa: E402
-from spec.mxtensor import MXTensor  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 192
 QUANT = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-
-
-def bench_ms(fn) -> float:
-    if DEVICE == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    start = time.perf_counter()  # smoke: one timed call, only to show the table works
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def first_call_s(fn) -> float:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+bench_ms, first_call_s = benchlib.bench_ms, benchlib.first_call_s
+REC = benchlib.Recorder("mla_q", ARGS)
+VS = "gemm time"  # ratio = impl ms / the bf16 GEMM's ms at the same T (lower is better)
 
 
 def unfused_chain(x, w, cos, sin):
@@ -123,30 +106,33 @@ def best_config(tuner) -> str:
 def main():
     K, H = 1536, 128
     if ARGS.smoke:
-        shapes, K, H = [64], 64, 2
-    elif ARGS.quick:
-        shapes = [4096, 16384]
+        tokens, K, H = ARGS.tokens or [64], 64, 2
     else:
-        shapes = [4096, 16384, 32768]
-
-    rows, notes = [], []
-    try:
-        measure(shapes, K, H, rows, notes)
-    except KeyboardInterrupt:  # a time cap (tools/gpu_run.sh sends SIGINT): keep what was measured
-        notes.append("interrupted by a time cap: the rows below are the ones measured before it")
-    report(rows, notes)
+        tokens = ARGS.tokens or ([4096, 16384] if ARGS.quick else [4096, 16384, 32768])
+    REC.run(measure, tokens, K, H)
+    REC.finish([("op", "op", 7, ""), ("shape", "shape", 18, ""), ("impl", "impl", 36, ""), benchlib.MS,
+                benchlib.TFLOPS, ("ratio", "vs gemm", 8, ".3f"), benchlib.OF_ROOF, ("same", "same", 8, ".6f")])
 
 
-def measure(shapes, K, H, rows, notes):
-    for T in shapes:
+def measure(tokens, K, H):
+    REC.load_peaks()
+    for T in tokens:
         x, w, cos, sin = make_inputs(T, K, H)
         N = H * D
         flops = 2.0 * T * N * K
         shape = f"T{T} K{K} H{H}"
+        common = dict(shape=shape, family=f"K{K} H{H}", tokens=T)
+        rope_bytes = 2 * T * 64 * 4
+        # what the fused op must move once: x, w, cos/sin in; two code arrays and their scales out
+        fwd_bytes = 2 * T * K + 2 * N * K + rope_bytes + 2 * (T * N + T * N // 32)
 
         gemm_ms = bench_ms(lambda: torch.matmul(x, w.t()))
-        rows.append(dict(op="fwd", shape=shape, impl="torch.matmul bf16 (GEMM only)", ms=gemm_ms,
-                         tflops=flops / gemm_ms / 1e9, ratio=1.0))
+        REC.row(op="fwd", impl="torch.matmul bf16 (GEMM only)", ms=gemm_ms, tflops=flops / gemm_ms / 1e9, ratio=1.0,
+                vs=VS, flops=flops, bytes=2 * T * K + 2 * N * K + 2 * T * N, **common)
+
+        def fwd_row(impl, ms, **kw):
+            return REC.row(op="fwd", impl=impl, ms=ms, tflops=flops / ms / 1e9, ratio=ms / gemm_ms, vs=VS,
+                           flops=flops, bytes=fwd_bytes, **common, **kw)
 
         ref = None
         for variant in ("tma", "pointer"):
@@ -156,77 +142,65 @@ def measure(shapes, K, H, rows, notes):
             fn = lambda v=variant: triton_mla_q.mla_q_forward_launch(x, w, cos, sin, variant=v)  # noqa: E731
             secs = first_call_s(fn)
             tuner = triton_mla_q._fwd_tma_tuned[False] if variant == "tma" else triton_mla_q._fwd_tuned[False]
-            notes.append(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile + autotune); "
-                         f"pick {best_config(tuner)}")
+            REC.note(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile + autotune); "
+                     f"pick {best_config(tuner)}")
             out = fn()
             if ref is None:
                 ref = out
-            ms = bench_ms(fn)
-            rows.append(dict(op="fwd", shape=shape, impl=f"triton fused [{variant}]", ms=ms,
-                             tflops=flops / ms / 1e9, ratio=ms / gemm_ms, same=same_fraction(out, ref)))
+            fwd_row(f"triton fused [{variant}]", bench_ms(fn), same=same_fraction(out, ref))
+            del out
 
-        baselines = [("torch eager unfused", unfused_chain)]
-        if DEVICE == "cuda":
-            baselines.append(("torch.compile unfused", torch.compile(unfused_chain, dynamic=False)))
-        for name, fn in baselines:
+        def run_baseline(name, fn):
             try:
                 if name.startswith("torch.compile"):
                     secs = first_call_s(lambda: fn(x, w, cos, sin))
-                    notes.append(f"{name} {shape}: first call {secs:.2f} s")
+                    REC.note(f"{name} {shape}: first call {secs:.2f} s")
                 out = fn(x, w, cos, sin)
                 same = same_fraction(out, ref)
                 del out
                 ms = bench_ms(lambda: fn(x, w, cos, sin))
             except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
-                notes.append(f"{name} {shape}: failed ({type(exc).__name__}: {exc})")
-                continue
-            rows.append(dict(op="fwd", shape=shape, impl=name, ms=ms, tflops=flops / ms / 1e9,
-                             ratio=ms / gemm_ms, same=same))
-        del ref
+                REC.note(f"{name} {shape}: failed ({type(exc).__name__}: {str(exc)[:300]})")
+                return
+            fwd_row(name, ms, same=same)
+
+        run_baseline("torch eager unfused", unfused_chain)
 
         if not ARGS.quick:
             dq = torch.randn(T, H, D, device=DEVICE).to(torch.bfloat16)
+            # dq, x, w, cos/sin in; dx [T, K] and dw [N, K] bf16 out
+            bwd_bytes = 2 * T * N + 2 * (2 * T * K + 2 * N * K) + rope_bytes
             bwd_gemm_ms = bench_ms(lambda: (torch.matmul(dq.view(T, -1), w), torch.matmul(dq.view(T, -1).t(), x)))
-            rows.append(dict(op="bwd", shape=shape, impl="torch.matmul bf16 x2 (GEMMs only)", ms=bwd_gemm_ms,
-                             tflops=2 * flops / bwd_gemm_ms / 1e9, ratio=1.0))
+            REC.row(op="bwd", impl="torch.matmul bf16 x2 (GEMMs only)", ms=bwd_gemm_ms,
+                    tflops=2 * flops / bwd_gemm_ms / 1e9, ratio=1.0, vs=VS, flops=2 * flops, bytes=bwd_bytes,
+                    **common)
             for name, fn in (("triton pre-pass + cuBLAS",
                               lambda: triton_mla_q.mla_q_backward_launch(dq, x, w, cos, sin, False)),
                              ("torch eager unfused", lambda: unfused_backward(dq, x, w, cos, sin))):
                 ms = bench_ms(fn)
-                rows.append(dict(op="bwd", shape=shape, impl=name, ms=ms, tflops=2 * flops / ms / 1e9,
-                                 ratio=ms / bwd_gemm_ms))
+                REC.row(op="bwd", impl=name, ms=ms, tflops=2 * flops / ms / 1e9, ratio=ms / bwd_gemm_ms, vs=VS,
+                        flops=2 * flops, bytes=bwd_bytes, **common)
             del dq
 
         if ARGS.mx or ARGS.smoke:
             xm, wm, _, _ = make_inputs(T, K, H, mx=True)
+            mx_bytes = fwd_bytes - (T * K + N * K) + (T * K + N * K) // 32  # 1-byte codes + scales in
             for variant in ("tma", "pointer"):
                 if variant == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
                     continue
                 fn = lambda v=variant: triton_mla_q.mla_q_forward_launch(xm, wm, cos, sin, variant=v)  # noqa: E731
                 secs = first_call_s(fn)
-                notes.append(f"triton fwd MXFP8 [{variant}] {shape}: first call {secs:.2f} s")
+                REC.note(f"triton fwd MXFP8 [{variant}] {shape}: first call {secs:.2f} s")
                 ms = bench_ms(fn)
-                rows.append(dict(op="fwd-mx", shape=shape, impl=f"triton fused MXFP8 [{variant}]", ms=ms,
-                                 tflops=flops / ms / 1e9, ratio=ms / gemm_ms))
+                REC.row(op="fwd-mx", impl=f"triton fused MXFP8 [{variant}]", ms=ms, tflops=flops / ms / 1e9,
+                        ratio=ms / gemm_ms, vs=VS, flops=flops, bytes=mx_bytes, **common)
             del xm, wm
-        del x, w, cos, sin
+
+        if DEVICE == "cuda" and not ARGS.no_compile:  # last: a slow compile costs only its own row
+            run_baseline("torch.compile unfused", torch.compile(unfused_chain, dynamic=False))
+        del ref, x, w, cos, sin
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-
-
-def report(rows, notes):
-    for note in notes:
-        print(note)
-    print()
-    print(f"{'op':7} {'shape':18} {'impl':36} {'ms':>9} {'TFLOP/s':>8} {'vs gemm':>8} same")
-    for r in rows:
-        same = f"{r['same']:.6f}" if "same" in r else ""
-        print(f"{r['op']:7} {r['shape']:18} {r['impl']:36} {r['ms']:9.4f} {r['tflops']:8.1f} {r['ratio']:8.3f} {same}")
-    if ARGS.json:
-        for r in rows:
-            r["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
-        with open(ARGS.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
