@@ -1,13 +1,15 @@
 """The cuDNN backend's MLA attention (graph SDPA) against torch's own cuDNN SDPA, plus host overhead.
 
-    python benchmarks/bench_attention_cudnn.py [--quick] [--json PATH]      # on the GPU
+    python benchmarks/bench_attention_cudnn.py [--quick] [--tokens 1024,...] [--json PATH]   # on the GPU
+    python benchmarks/bench_attention_cudnn.py --smoke     # CPU: says why nothing is timed; GPU: S=256
 
 Device rows (op fwd / bwd): backends.cudnn.attention on bf16 bshd inputs vs
 torch.nn.functional.scaled_dot_product_attention under sdpa_kernel(SDPBackend.CUDNN_ATTENTION) on
 [B, H, S, D] views of the same tensors (backward: torch.autograd.grad of that output, graph kept).
 Target: within 5 % of torch's time (ratio = torch ms / ours ms >= 0.95). If torch refuses
 d_qk 192 with d_v 128, it is retried with v zero-padded to 192 ("v->192": more work than ours, noted).
-Shapes: B=1 S=4096 H=128 causal (--quick: only this), plus non-causal, S=8192 causal and thd 2x2048.
+Shapes: B=1 S=4096 H=128 causal (--quick: only this), plus non-causal, S=8192 causal and thd 2x2048;
+--tokens sets S (B=1, H=128, causal, bshd, one case per S). --no-compile is accepted (nothing compiles).
 Times: medians of triton.testing.do_bench(warmup=25, rep=100) (CUDA events when triton is absent).
 FLOPs: forward 2*B*H*S_q*S_kv*(192+128), backward 2*B*H*S_q*S_kv*(3*192+2*128), causal half.
 err: relative Frobenius error of our o / gradients against torch's (a fast wrong result shows).
@@ -25,7 +27,6 @@ elsewhere the capability reasons are printed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -35,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import benchlib  # noqa: E402
+
 D_QK, D_V = 192, 128
 HOST_BUDGET_US = 20.0
 DEVICE_TARGET = 0.95
@@ -43,7 +46,8 @@ DEVICE_TARGET = 0.95
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only B=1 S=4096 H=128 causal (+ host overhead)")
-    ap.add_argument("--json", help="write the rows (a list of dicts) here")
+    ap.add_argument("--smoke", action="store_true", help="CPU: report why nothing runs; CUDA: one small shape")
+    benchlib.add_common_args(ap, tokens_axis="S (B=1, H=128, causal, bshd)")
     return ap.parse_args()
 
 
@@ -84,6 +88,15 @@ def flops(b, s_q, s_kv, h, causal, op):
     return pairs * (2 * (D_QK + D_V) if op == "fwd" else 2 * (3 * D_QK + 2 * D_V))
 
 
+def traffic(b, s, h, op, mx=False):
+    """Bytes moved once: fwd q, k, v in, o out; bwd q, k, v, o, do in, dq, dk, dv out; lse (fp32).
+    MXFP8 forward inputs: 1-byte codes + 1/32 scale bytes."""
+    tokens = b * s * h
+    if op == "fwd":
+        return int(tokens * ((2 * D_QK + D_V) * (1 + 1 / 32 if mx else 2) + 2 * D_V + 4))
+    return int(tokens * 2 * (4 * D_QK + 4 * D_V) + tokens * 4)
+
+
 def make_inputs(b, s, h, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     shapes = ((b, s, h, D_QK), (b, s, h, D_QK), (b, s, h, D_V), (b, s, h, D_V))
@@ -106,7 +119,7 @@ def torch_cudnn_sdpa(q, k, v, causal, scale, pad_v):
     return o[..., :D_V] if pad_v else o
 
 
-def torch_baseline(q, k, v, do, causal, scale, notes, shape):
+def torch_baseline(q, k, v, do, causal, scale, note, shape):
     """{'fwd': (ms, o bshd), 'bwd': (ms, grads), 'label': ...} or {} when torch refuses."""
     for pad_v in (False, True):
         label = "torch sdpa cudnn" + (" v->192" if pad_v else "")
@@ -114,7 +127,7 @@ def torch_baseline(q, k, v, do, causal, scale, notes, shape):
             o = torch_cudnn_sdpa(q, k, v, causal, scale, pad_v)
             fwd_ms = bench_ms(lambda: torch_cudnn_sdpa(q, k, v, causal, scale, pad_v))
         except Exception as exc:  # noqa: BLE001 - a refusal is a result
-            notes.append(f"{label} {shape}: not accepted ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            note(f"{label} {shape}: not accepted ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
             continue
         out = {"label": label, "fwd": (fwd_ms, o.transpose(1, 2))}
         try:
@@ -125,7 +138,7 @@ def torch_baseline(q, k, v, do, causal, scale, notes, shape):
             bwd_ms = bench_ms(lambda: torch.autograd.grad(og, (qg, kg, vg), dot, retain_graph=True))
             out["bwd"] = (bwd_ms, grads)
         except Exception as exc:  # noqa: BLE001
-            notes.append(f"{label} bwd {shape}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+            note(f"{label} bwd {shape}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
         return out
     return {}
 
@@ -148,7 +161,7 @@ def host_us(fn, calls=100, repeats=7) -> float:
     return best
 
 
-def host_rows(att, rows, notes, b, s, h, causal, calls):
+def host_rows(att, rec, b, s, h, causal, calls):
     import dispatch
 
     q, k, v, do = make_inputs(b, s, h, seed=1)
@@ -171,8 +184,8 @@ def host_rows(att, rows, notes, b, s, h, causal, calls):
                     whole = host_us(direct, calls)
                     via_dispatch = host_us(routed, calls)
                 except Exception as exc:  # noqa: BLE001 - a binding mode the frontend refuses is a result
-                    notes.append(f"host {direction} {shape} bind={mode}: failed ({type(exc).__name__}: "
-                                 f"{str(exc).splitlines()[0][:200]})")
+                    rec.note(f"host {direction} {shape} bind={mode}: failed ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200]})")
                     continue
                 assert att.build_count == built, "cache hit rebuilt a graph"
                 entries = list(att._graphs.values())
@@ -186,9 +199,9 @@ def host_rows(att, rows, notes, b, s, h, causal, calls):
                         e.graph.execute = fn
                 for impl, us in ((f"cudnn call, bind={mode}", whole), (f"cudnn via dispatch.run, bind={mode}", via_dispatch),
                                  (f"cudnn wrapper only (execute no-op), bind={mode}", ours)):
-                    rows.append(dict(op="host", shape=f"{direction} {shape}", impl=impl, ms=us / 1e3, tflops=None,
-                                     ratio=HOST_BUDGET_US / us, vs=f"budget {HOST_BUDGET_US:.0f} us",
-                                     note=f"{us:.1f} us per call, {calls} calls enqueued"))
+                    rec.row(op="host", shape=f"{direction} {shape}", impl=impl, ms=us / 1e3, tflops=None,
+                            ratio=HOST_BUDGET_US / us, vs=f"budget {HOST_BUDGET_US:.0f} us",
+                            note=f"{us:.1f} us per call, {calls} calls enqueued")
     finally:
         att.BIND = saved_bind
 
@@ -210,41 +223,53 @@ def plan_name(att, key_prefix):
 
 def main():
     args = parse_args()
-    rows, notes = [], []
+    rec = benchlib.Recorder("attention_cudnn", args)
+    columns = [("op", "op", 4, ""), ("shape", "shape", 34, ""), ("impl", "impl", 44, ""), benchlib.MS,
+               benchlib.TFLOPS, ("ratio", "ratio", 7, ".3f"), ("vs", "vs", 22, ""), benchlib.OF_ROOF,
+               ("note", "note", 10, "")]
     if not torch.cuda.is_available():
-        print("bench_attention_cudnn: no CUDA device here; nothing to time (the backend runs on CUDA only)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([dict(op="skip", shape="", impl="cudnn", ms=None, note="no CUDA device")], f)
+        rec.note("bench_attention_cudnn: no CUDA device here; nothing to time (the backend runs on CUDA only)")
+        rec.row(op="skip", shape="", impl="cudnn", ms=None, note="no CUDA device")
+        rec.finish(columns)
         return
 
     import backends
 
     backends.load()
-    from backends.cudnn import _common
-
     info = backends.backend_infos().get("cudnn")
     if info is None or not info.available:
-        print(f"bench_attention_cudnn: cudnn backend unavailable: {info.reasons if info else 'not registered'}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([dict(op="skip", shape="", impl="cudnn", ms=None,
-                                note="; ".join(info.reasons) if info else "not registered")], f)
+        why = "; ".join(info.reasons) if info else "not registered"
+        rec.note(f"bench_attention_cudnn: cudnn backend unavailable: {why}")
+        rec.row(op="skip", shape="", impl="cudnn", ms=None, note=why)
+        rec.finish(columns)
         return
+    rec.run(measure, args, rec, info)
+    rec.finish(columns)
+
+
+def measure(args, rec, info):
+    from backends.cudnn import _common
     from backends.cudnn import attention as att
 
+    rec.load_peaks()
     cc = torch.cuda.get_device_capability()
-    notes.append(f"device {torch.cuda.get_device_name()} (cc {cc[0]}.{cc[1]}), frontend {info.version}, "
-                 f"cuDNN {_common.version_text(_common.backend_version())}, torch {torch.__version__}")
+    rec.note(f"device {torch.cuda.get_device_name()} (cc {cc[0]}.{cc[1]}), frontend {info.version}, "
+             f"cuDNN {_common.version_text(_common.backend_version())}, torch {torch.__version__}")
 
-    cases = [("bshd", 1, 4096, 128, True)]
-    if not args.quick:
-        cases += [("bshd", 1, 4096, 128, False), ("bshd", 1, 8192, 128, True), ("thd", 2, 2048, 128, True)]
+    if args.tokens:
+        cases = [("bshd", 1, s, 8 if args.smoke else 128, True) for s in args.tokens]
+    elif args.smoke:
+        cases = [("bshd", 1, 256, 8, True)]
+    else:
+        cases = [("bshd", 1, 4096, 128, True)]
+        if not args.quick:
+            cases += [("bshd", 1, 4096, 128, False), ("bshd", 1, 8192, 128, True), ("thd", 2, 2048, 128, True)]
     scale = 1.0 / math.sqrt(D_QK)
     for layout, b, s, h, causal in cases:
         shape = f"{layout} B{b} S{s} H{h}{' causal' if causal else ''}"
+        family = f"{layout} B{b} H{h}{' causal' if causal else ''}"
         q, k, v, do = make_inputs(b, s, h)
-        base = torch_baseline(q, k, v, do, causal, scale, notes, shape)
+        base = torch_baseline(q, k, v, do, causal, scale, rec.note, shape)
         kw = {}
         if layout == "thd":
             q, k, v, do = (x.reshape(b * s, h, x.shape[-1]) for x in (q, k, v, do))
@@ -252,16 +277,16 @@ def main():
             kw = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
         reasons = att.attention_reasons(q, k, v, causal=causal, **kw)
         if reasons:
-            notes.append(f"cudnn {shape}: not accepted: {'; '.join(reasons)}")
+            rec.note(f"cudnn {shape}: not accepted: {'; '.join(reasons)}")
             continue
         fwd = lambda: att.mla_attention(q, k, v, causal=causal, **kw)  # noqa: E731
-        notes.append(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s (graph build + plan), "
-                     f"plan {plan_name(att, 'fwd_thd' if layout == 'thd' else 'fwd')}")
+        rec.note(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s (graph build + plan), "
+                 f"plan {plan_name(att, 'fwd_thd' if layout == 'thd' else 'fwd')}")
         o, lse = fwd()
         fwd_ms = bench_ms(fwd)
         bwd = lambda: att.mla_attention_backward(do, q, k, v, o, lse, causal=causal, **kw)  # noqa: E731
-        notes.append(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s, "
-                     f"plan {plan_name(att, 'bwd_thd' if layout == 'thd' else 'bwd')}")
+        rec.note(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s, "
+                 f"plan {plan_name(att, 'bwd_thd' if layout == 'thd' else 'bwd')}")
         grads = bwd()
         bwd_ms = bench_ms(bwd)
         for op, ms, out in (("fwd", fwd_ms, (o,)), ("bwd", bwd_ms, grads)):
@@ -271,58 +296,49 @@ def main():
                 ref_out = (ref[1],) if op == "fwd" else ref[1]
                 err = max(rel_err(a.reshape(r.shape), r) for a, r in zip(out, ref_out))
             fl = flops(b, s, s, h, causal, op)
-            rows.append(dict(op=op, shape=shape, impl="cudnn (ours)", ms=ms, tflops=fl / ms / 1e9,
-                             ratio=(ref[0] / ms) if ref else None, vs=base.get("label") if ref else None,
-                             note=(f"err {err:.1e} " if err is not None else "") + f"target ratio >= {DEVICE_TARGET}"))
+            common = dict(shape=shape, family=family, tokens=s, flops=fl, bytes=traffic(b, s, h, op))
+            rec.row(op=op, impl="cudnn (ours)", ms=ms, tflops=fl / ms / 1e9,
+                    ratio=(ref[0] / ms) if ref else None, vs=base.get("label") if ref else None, err=err,
+                    note=f"target ratio >= {DEVICE_TARGET}", **common)
             if ref:
-                rows.append(dict(op=op, shape=shape, impl=base["label"], ms=ref[0], tflops=fl / ref[0] / 1e9,
-                                 ratio=1.0, vs=base["label"], note="baseline"))
+                rec.row(op=op, impl=base["label"], ms=ref[0], tflops=fl / ref[0] / 1e9, ratio=1.0, vs=base["label"],
+                        note="baseline", **common)
         del q, k, v, do, o, lse, grads, base
         torch.cuda.empty_cache()
 
     # MXFP8: only where the backend takes it
     from backends.torch.quantize import mxfp8_quantize
 
-    b, s, h = 1, 4096, 128
+    b, s, h = (1, 256, 8) if args.smoke else (1, 4096, 128)
     q, k, v, do = make_inputs(b, s, h, seed=3)
     q_mx, k_mx = (mxfp8_quantize(x, axis=-1) for x in (q, k))
     v_mx = mxfp8_quantize(v, axis=1)
     reasons = att.attention_reasons(q_mx, k_mx, v_mx, causal=True)
     if reasons:
-        notes.append(f"cudnn MXFP8 B{b} S{s} H{h} causal: not accepted here: {'; '.join(reasons)}")
+        rec.note(f"cudnn MXFP8 B{b} S{s} H{h} causal: not accepted here: {'; '.join(reasons)}")
     else:
         shape = f"bshd B{b} S{s} H{h} causal mxfp8"
+        common = dict(shape=shape, family=f"bshd B{b} H{h} causal mxfp8", tokens=s)
         fwd = lambda: att.mla_attention(q_mx, k_mx, v_mx, causal=True)  # noqa: E731
-        notes.append(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s")
+        rec.note(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s")
         o, lse = fwd()
         ms = bench_ms(fwd)
-        rows.append(dict(op="fwd", shape=shape, impl="cudnn mxfp8 (ours)", ms=ms,
-                         tflops=flops(b, s, s, h, True, "fwd") / ms / 1e9, note="includes scale re-layout"))
+        fl = flops(b, s, s, h, True, "fwd")
+        rec.row(op="fwd", impl="cudnn mxfp8 (ours)", ms=ms, tflops=fl / ms / 1e9, flops=fl,
+                bytes=traffic(b, s, h, "fwd", mx=True), note="includes scale re-layout", **common)
         bwd = lambda: att.mla_attention_backward(do, q_mx, k_mx, v_mx, o, lse, causal=True)  # noqa: E731
-        notes.append(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s")
+        rec.note(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s")
         ms = bench_ms(bwd)
-        rows.append(dict(op="bwd", shape=shape, impl="cudnn mxfp8 (ours)", ms=ms,
-                         tflops=flops(b, s, s, h, True, "bwd") / ms / 1e9,
-                         note="includes re-quantizing q, k, v, do and scale re-layout"))
+        fl = flops(b, s, s, h, True, "bwd")
+        rec.row(op="bwd", impl="cudnn mxfp8 (ours)", ms=ms, tflops=fl / ms / 1e9, flops=fl,
+                bytes=traffic(b, s, h, "bwd"), note="includes re-quantizing q, k, v, do and scale re-layout", **common)
     del q, k, v, do, q_mx, k_mx, v_mx
     torch.cuda.empty_cache()
 
     # Host overhead of a cache hit: the DeepSeek shape (few calls) and a tiny one (many calls).
-    host_rows(att, rows, notes, 1, 4096, 128, True, calls=20)
-    host_rows(att, rows, notes, 1, 128, 8, True, calls=100)
-
-    for note in notes:
-        print(note)
-    print()
-    print(f"{'op':4} {'shape':34} {'impl':44} {'ms':>10} {'TFLOP/s':>8} {'ratio':>7} {'vs':22} note")
-    for r in rows:
-        tf = f"{r['tflops']:8.1f}" if r.get("tflops") else f"{'':8}"
-        ratio = f"{r['ratio']:7.3f}" if r.get("ratio") else f"{'':7}"
-        print(f"{r['op']:4} {r['shape']:34} {r['impl']:44} {r['ms']:10.4f} {tf} {ratio} {str(r.get('vs') or ''):22} "
-              f"{r.get('note', '')}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if not args.smoke:
+        host_rows(att, rec, 1, 4096, 128, True, calls=20)
+    host_rows(att, rec, 1, 128, 8, True, calls=100)
 
 
 if __name__ == "__main__":

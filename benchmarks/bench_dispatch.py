@@ -1,20 +1,25 @@
 """Cached dispatch overhead: dispatch.run(op, ...) against calling the chosen backend's function.
 
 Reports microseconds per call for a few ops with typical argument lists (tensors, an MXTensor,
-keyword arguments). Run on the CI machine: `python benchmarks/bench_dispatch.py`.
+keyword arguments). Run on the CI machine: `python benchmarks/bench_dispatch.py [--quick] [--smoke]`.
+--smoke and --quick time fewer calls; --tokens and --no-compile are accepted and ignored (host-side
+cost of a few small calls: no token axis, nothing compiled).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
+import os
+import sys
 import timeit
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import backends
-import dispatch
+import torch  # noqa: E402
+
+import backends  # noqa: E402
+import benchlib  # noqa: E402
+import dispatch  # noqa: E402
 
 
 def _noop(*args, **kwargs):
@@ -39,10 +44,19 @@ def overhead_us(op, args, kwargs, repeat=15, number=2000):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="500 calls per timing instead of 2000")
+    ap.add_argument("--smoke", action="store_true", help="100 calls per timing, 3 repeats")
+    benchlib.add_common_args(ap, tokens_axis=None)
     args = ap.parse_args()
+    rec = benchlib.Recorder("dispatch", args)
+    rec.run(measure, args, rec)
+    rec.finish([("op", "op", 18, ""), ("impl", "impl", 16, ""), ("direct_us", "direct us", 10, ".2f"),
+                (lambda r: r["ms"] * 1e3, "run us", 10, ".2f"), ("overhead_us", "overhead us", 12, ".2f"),
+                ("select_us", "select us", 10, ".2f")])
+
+
+def measure(args, rec):
     torch.manual_seed(0)
     x = torch.randn(32, 64, dtype=torch.bfloat16)
     mx = dispatch.run("mxfp8_quantize", x, axis=-1)
@@ -53,20 +67,12 @@ def main():
         ("mxfp8_dequantize", (mx,), {}),
         ("rope", (xr, cos, sin), {"style": "mla", "layout": "thd"}),
     ]
-    rows = []
-    number = 500 if args.quick else 2000
+    number = 100 if args.smoke else 500 if args.quick else 2000
+    rec.note("Cached dispatch overhead per call (implementation replaced by a no-op; min of the repeats)")
     for op, a, kw in cases:
-        backend, t_direct, t_routed, t_select = overhead_us(op, a, kw, number=number)
-        rows.append({"op": op, "impl": f"dispatch->{backend}", "ms": t_routed / 1e3,
-                     "overhead_us": t_routed - t_direct, "select_us": t_select, "direct_us": t_direct})
-    print("Cached dispatch overhead per call (implementation replaced by a no-op; min of 15 repeats)")
-    print(f"{'op':18} {'backend':8} {'direct us':>10} {'run us':>10} {'overhead us':>12} {'select us':>10}")
-    for r in rows:
-        print(f"{r['op']:18} {r['impl'][10:]:8} {r['direct_us']:10.2f} {r['ms']*1e3:10.2f} "
-              f"{r['overhead_us']:12.2f} {r['select_us']:10.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        backend, t_direct, t_routed, t_select = overhead_us(op, a, kw, repeat=3 if args.smoke else 7, number=number)
+        rec.row(op=op, shape="", impl=f"dispatch->{backend}", ms=t_routed / 1e3, overhead_us=t_routed - t_direct,
+                select_us=t_select, direct_us=t_direct, note="host time per call")
 
 
 if __name__ == "__main__":

@@ -261,7 +261,7 @@ class Recorder:
         then write --json."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print()
-        print(" ".join(f"{h:>{w}}" if f else f"{h:{w}}" for _, h, w, f in columns))
+        print(" ".join(f"{h:>{w}}" if f else f"{h:{w}}" for _, h, w, f in columns).rstrip())
         for r in self.rows:
             cells = []
             for key, _, w, f in columns:
