@@ -66,7 +66,8 @@ def parse_caps(text: str) -> dict[str, float]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="mxmla bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="mxmla bench", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 epilog="Columns, caps and the roofline: docs/BENCHMARKING.md")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="each script's --quick (the headline shapes)")
     mode.add_argument("--smoke", action="store_true", help="tiny shapes; CPU under TRITON_INTERPRET=1")
@@ -249,6 +250,7 @@ def make_plots(rows: list[dict], folder: Path) -> tuple[list[str], str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except Exception as exc:  # noqa: BLE001 - plots are optional; the table and JSON stand alone
         return [], f"no plots: matplotlib is not importable here ({type(exc).__name__}: {exc})"
     groups = plot_groups(rows)
@@ -257,7 +259,7 @@ def make_plots(rows: list[dict], folder: Path) -> tuple[list[str], str]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for (bench, op, family), members in sorted(groups.items()):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         impls = []
         for r in members:
             if r.get("impl") not in impls:
@@ -275,11 +277,15 @@ def make_plots(rows: list[dict], folder: Path) -> tuple[list[str], str]:
             ax.plot(xs, [roof[x] for x in xs], linestyle="--", color="black", marker="", label="roofline")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ticks = sorted({r["tokens"] for r in members})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("tokens")
         ax.set_ylabel("ms (median)")
         ax.set_title(f"{bench}: {op}  {family}".strip(), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         path = folder / f"{_slug(bench)}__{_slug(op)}__{_slug(family)}.png"
         fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""The `mxmla` command: `mxmla info` and `mxmla check`."""
+"""The `mxmla` command: `mxmla info`, `mxmla check` and `mxmla bench`."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ from spec.constants import OPS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE_DIR = REPO_ROOT / "tests" / "conformance"
+BENCH_RUNNER = REPO_ROOT / "benchmarks" / "run_all.py"
 
 
 def _device_line() -> str:
@@ -167,6 +168,19 @@ def cmd_check(args) -> int:
     return int(rc)
 
 
+def cmd_bench(bench_args) -> int:
+    """Delegates to benchmarks/run_all.py of the source checkout (all its flags: `mxmla bench --help`)."""
+    if not BENCH_RUNNER.is_file():
+        print(f"mxmla bench: benchmark runner not found at {BENCH_RUNNER} (install from a source checkout)")
+        return 2
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mxmla_bench_run_all", BENCH_RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    return int(runner.main(list(bench_args)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mxmla", description="mxmla: MXFP8 MLA query path")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -177,7 +191,14 @@ def main(argv=None) -> int:
     p_check.add_argument("--backend", help="torch, triton, cudnn (comma list)")
     p_check.add_argument("--op", help="op names or module names (comma list), e.g. rope,quantize")
     p_check.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    # Every argument after `bench` goes to benchmarks/run_all.py (its own parser, its own --help).
+    sub.add_parser("bench", add_help=False, help="run every benchmark under time caps: JSON, plots, one table "
+                                                 "(mxmla bench --help)")
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": cmd_info, "check": cmd_check}[args.cmd](args)
 
 
