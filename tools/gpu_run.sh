@@ -47,16 +47,29 @@ for phase in $PHASES; do
     summary+=("compute-sanitizer memcheck: rc=$rc in $((SECONDS-start)) s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1)")
     ;;
   bench)
-    for short in ${BENCHES:-quantize mla_q attention attention_cudnn rope gemm rmsnorm}; do
-      b=benchmarks/bench_${short}.py
-      name=bench_${short}
-      start=$SECONDS
-      timeout -s INT "${BENCH_CAP:-60}" python3 "$b" --quick --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
-      rc=$?
-      summary+=("$name: rc=$rc in $((SECONDS-start)) s")
-      tail -25 "$OUT/$name.log"
-    done
-    python3 benchmarks/summarize.py "$OUT" --commit "$COMMIT" 2>&1 | tee "$OUT/summary.md"
+    # `mxmla bench` (benchmarks/run_all.py): every benchmarks/bench_*.py in its own subprocess under its
+    # own cap (SIGINT at the cap: the script writes what it measured; killed after a grace), then
+    # $OUT/bench/results.json, $OUT/bench/plots/*.png and one table printed last. Knobs:
+    #   BENCH_MODE   --quick (default); "" = each script's full sweep; --smoke = tiny shapes
+    #   BENCH_TOKENS token counts for every script with a token axis: "sweep" (1K..32K) or "1024,4096"
+    #   BENCHES      which scripts (space or comma list of names: quantize mla_q ...); default all
+    #   BENCH_CAP    seconds for every script; BENCH_CAPS per script: "quantize=90 mla_q=120"
+    #   BENCH_BUDGET seconds for the whole phase (default 540: the device tool stops a command at 600)
+    #   BENCH_ARGS   anything else for mxmla bench (e.g. --no-compile, or "" to echo every script's output)
+    start=$SECONDS
+    bench_args=(${BENCH_MODE---quick} --out "$OUT/bench" --budget "${BENCH_BUDGET:-540}" --commit "$COMMIT")
+    [ -n "${BENCHES:-}" ] && bench_args+=(--benches "$(echo ${BENCHES} | tr ' ' ',')")
+    [ -n "${BENCH_CAP:-}" ] && bench_args+=(--cap "$BENCH_CAP")
+    [ -n "${BENCH_CAPS:-}" ] && bench_args+=(--caps "$BENCH_CAPS")
+    [ -n "${BENCH_TOKENS:-}" ] && bench_args+=(--tokens "$BENCH_TOKENS")
+    # --quiet: the scripts' own output goes to $OUT/bench/bench_<name>.log, so the tail the device tool
+    # returns holds the per-script status and the table.
+    python3 -m dispatch.cli bench "${bench_args[@]}" ${BENCH_ARGS---quiet} 2>&1 | tee "$OUT/bench.log"
+    rc=${PIPESTATUS[0]}
+    python3 benchmarks/summarize.py "$OUT/bench/results.json" --commit "$COMMIT" > "$OUT/summary.md" 2>&1
+    n_ok=$(grep -cE '^  [a-z_0-9]+ +ok ' "$OUT/bench.log")
+    not_ok=$(grep -E '^  [a-z_0-9]+ +(capped|killed|failed|skipped)' "$OUT/bench.log" | awk '{print $1 " " $2}' | paste -sd, -)
+    summary+=("mxmla bench: rc=$rc in $((SECONDS-start)) s: $n_ok scripts ok${not_ok:+; $not_ok}; $OUT/bench/results.json")
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
