@@ -200,14 +200,14 @@ class Recorder:
     runner's time cap, or `timeout -s INT`) into a note, and `finish()` prints the table and writes
     the JSON either way."""
 
-    def __init__(self, bench: str, args):
+    def __init__(self, bench: str, args, device: str | None = None):
         self.bench = bench
         self.args = args
         self.rows: list[dict] = []
         self.notes: list[str] = []
         self.peaks: dict | None = None
         self.interrupted = False
-        self._device = None
+        self._device = device  # None: asked of torch at the first row
 
     # -- measuring ---------------------------------------------------------------------------------
     def load_peaks(self) -> None:
