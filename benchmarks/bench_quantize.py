@@ -15,7 +15,9 @@ bandwidth and >= 1.4x torch.compile producing both; rowwise >= compile.
   TB/s at the same shape, the roof fraction; "vs compile" = torch.compile time / this time, same op.
 - peers: torch eager (row and dual; col too with --sweep), torchao (bf16 inputs, compact scales):
   triton_to_mxfp8_dim0 (row), triton_to_mxfp8_dim1 (col), both calls (dual), and its torch
-  reference cast to_mx (row); torch.compile of the eager backend (row, dual) and of torchao's to_mx
+  reference cast to_mx (row). torchao's triton rceil needs sm100 (a ue8m0 convert instruction): below
+  sm100 its kernels run with floor scales ("[floor scales]": same bytes moved, other scale values, so
+  same_frac < 1 is expected); to_mx always uses rceil. torch.compile of the eager backend (row, dual) and of torchao's to_mx
   (row) come last in each shape's loop, so a slow compile costs only its own rows.
 - times: medians of triton.testing.do_bench(warmup=25, rep=100), which flushes L2 between runs. First
   call times (compile + autotune) are printed, and the autotuned tile. "same" says whether the impl's
@@ -117,12 +119,18 @@ def torchao_casts():
     except Exception as exc:  # noqa: BLE001 - torchao is optional
         return None, f"torchao peers skipped: import failed ({type(exc).__name__}: {str(exc)[:160]})"
 
+    # torchao's triton rceil scale is one PTX instruction (cvt.rp.satfinite.ue8m0x2.f32) that exists from
+    # sm100 on; below that its kernels are timed with floor scales: the same traffic, other scale bytes.
+    cuda_cc = torch.cuda.get_device_capability() if DEVICE == "cuda" else (0, 0)
+    mode = "rceil" if cuda_cc >= (10, 0) else "floor"
+    tag = "" if mode == "rceil" else " [floor scales]"
+
     def dim0(x):
-        d, s = ao_kernels.triton_to_mxfp8_dim0(x, inner_block_size=32, scaling_mode="rceil")
+        d, s = ao_kernels.triton_to_mxfp8_dim0(x, inner_block_size=32, scaling_mode=mode)
         return [d, s]
 
     def dim1(x):
-        d, s = ao_kernels.triton_to_mxfp8_dim1(x, inner_block_size=32, scaling_mode="rceil")
+        d, s = ao_kernels.triton_to_mxfp8_dim1(x, inner_block_size=32, scaling_mode=mode)
         return [d, s]
 
     def reference(x):
@@ -130,11 +138,14 @@ def torchao_casts():
         return [d, s.reshape(d.shape[0], -1)]
 
     peers = {
-        "row": [("torchao triton_to_mxfp8_dim0", dim0), ("torchao to_mx (torch ops)", reference)],
-        "col": [("torchao triton_to_mxfp8_dim1", dim1)],
-        "dual": [("torchao dim0 + dim1 (two kernels)", lambda x: dim0(x) + dim1(x))],
+        "row": [("torchao triton_to_mxfp8_dim0" + tag, dim0), ("torchao to_mx (torch ops)", reference)],
+        "col": [("torchao triton_to_mxfp8_dim1" + tag, dim1)],
+        "dual": [("torchao dim0 + dim1 (two kernels)" + tag, lambda x: dim0(x) + dim1(x))],
     }
-    return (peers, reference), f"torchao {getattr(torchao, '__version__', '?')}"
+    note = f"torchao {getattr(torchao, '__version__', '?')}: triton casts with {mode} scales"
+    if mode == "floor":
+        note += " (its rceil needs sm100's ue8m0 convert)"
+    return (peers, reference), note
 
 
 def shapes_and_dtypes():
