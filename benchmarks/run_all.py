@@ -154,8 +154,11 @@ def run_script(name: str, script: Path, args, out: Path, cap: float, env: dict) 
 
         def pump():
             for line in proc.stdout:
-                log.write(line)
-                log.flush()
+                try:
+                    log.write(line)
+                    log.flush()
+                except ValueError:  # the log was closed: a leftover process kept the pipe open
+                    return
                 if line.startswith(benchlib.ROW_PREFIX):
                     try:
                         streamed.append(json.loads(line[len(benchlib.ROW_PREFIX):]))
@@ -168,15 +171,18 @@ def run_script(name: str, script: Path, args, out: Path, cap: float, env: dict) 
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        status = "ok"
+        status, stop = "ok", False
         try:
             proc.wait(timeout=cap)
-        except subprocess.TimeoutExpired:
-            status = "capped"
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+            # At the cap, or when the runner itself is interrupted (Ctrl-C, `timeout -s INT`): the script
+            # is in its own session, so the SIGINT is passed on by hand; the run then stops after it.
+            stop = isinstance(exc, KeyboardInterrupt)
+            status = "interrupted" if stop else "capped"
             _signal(proc.pid, signal.SIGINT, group=False)  # the script writes what it has
             try:
                 proc.wait(timeout=args.grace)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 status = "killed"
                 _signal(proc.pid, signal.SIGKILL, group=True)
                 proc.wait()
@@ -188,7 +194,7 @@ def run_script(name: str, script: Path, args, out: Path, cap: float, env: dict) 
         log.write(f"\n[run_all] {name}: {status}, rc={proc.returncode}, {seconds:.1f} s (cap {cap:.0f} s)\n")
 
     record = dict(bench=name, status=status, rc=proc.returncode, seconds=round(seconds, 1), cap_s=cap,
-                  log=log_path.name, json=None, rows_from=None, interrupted=False, notes=[])
+                  log=log_path.name, json=None, rows_from=None, interrupted=False, notes=[], stop=stop)
     rows = None
     if json_path.exists():
         try:
@@ -320,9 +326,13 @@ def main(argv=None) -> int:
     print(f"mxmla bench ({mode}): {len(scripts)} scripts -> {out}; commit {commit}", flush=True)
 
     deadline = time.monotonic() + args.budget if args.budget else None
-    runs, peaks = [], None
+    runs, peaks, stopped = [], None, False
     for name, script in scripts:
         cap = cap_for(name, args)
+        if stopped:
+            runs.append(dict(bench=name, status="skipped (interrupted)", rc=None, seconds=0, cap_s=0, rows=[],
+                             rows_from=None, notes=[]))
+            continue
         if deadline is not None:
             left = deadline - time.monotonic() - PLOT_RESERVE_S - args.grace
             if left < 10:
@@ -333,6 +343,7 @@ def main(argv=None) -> int:
             cap = min(cap, left)
         print(f"== {name}: {script.name} (cap {cap:.0f} s)", flush=True)
         record = run_script(name, script, args, out, cap, env)
+        stopped = record.pop("stop")
         runs.append(record)
         print(f"== {name}: {record['status']} in {record['seconds']} s, {len(record['rows'])} rows "
               f"(from {record['rows_from'] or 'nowhere'})", flush=True)
@@ -340,6 +351,14 @@ def main(argv=None) -> int:
             peaks = record["peaks"]
             env[benchlib.PEAKS_ENV] = str(out / record["json"])
 
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a few seconds more: the JSON, plots, table
+    try:
+        return report(args, out, commit, mode, runs, peaks, argv)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def report(args, out: Path, commit: str, mode: str, runs: list[dict], peaks, argv) -> int:
     rows = [r for run in runs for r in run["rows"]]
     devices = sorted({str(r["device"]) for r in rows if r.get("device")})
     plots, plot_msg = ([], "no plots: --no-plots") if args.no_plots else make_plots(rows, out / "plots")

@@ -111,7 +111,7 @@ def test_runner_collects_ok_capped_killed_and_crashed(tmp_path, capsys):
     out = tmp_path / "out"
     start = time.monotonic()
     rc = run_all.main(["--bench-dir", str(fakes), "--out", str(out), "--cap", "30",
-                       "--caps", "fake_hang=3,fake_stubborn=3", "--grace", "2", "--no-plots", "--quiet",
+                       "--caps", "fake_hang=5,fake_stubborn=3", "--grace", "2", "--no-plots", "--quiet",
                        "--commit", "test"])
     elapsed = time.monotonic() - start
     text = capsys.readouterr().out
@@ -143,6 +143,30 @@ def test_runner_collects_ok_capped_killed_and_crashed(tmp_path, capsys):
     fast_1k = next(line for line in table if "| fast |" in line and "| 1024 |" in line)
     assert "| 0.5 |" in fast_1k, "of_roof = roofline_ms / ms"
     assert "fake_stubborn    killed" in text
+
+
+def test_runner_interrupted_passes_sigint_on_and_still_reports(tmp_path):
+    """Ctrl-C or `timeout -s INT` on the runner: the running script gets the SIGINT (it is in its own
+    session), writes its rows, the rest are skipped, results.json and the table still come out."""
+    fakes = write_fakes(tmp_path / "fakes", names=("hang", "ok"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH_DIR / "run_all.py"), "--bench-dir", str(fakes), "--out", str(out),
+           "--benches", "fake_hang,fake_ok", "--cap", "60", "--grace", "5", "--no-plots"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[fake_hang] row:"):
+                proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    results = json.loads((out / "results.json").read_text())
+    assert [r["status"] for r in results["runs"]] == ["interrupted", "skipped (interrupted)"]
+    assert results["runs"][0]["rows_from"] == "json" and len(results["rows"]) == 1
+    assert lines[-1].startswith("| fake_hang |")
 
 
 def test_runner_budget_skips_what_no_longer_fits(tmp_path, capsys):
