@@ -54,10 +54,10 @@ for phase in $PHASES; do
     #   BENCH_TOKENS token counts for every script with a token axis: "sweep" (1K..32K) or "1024,4096"
     #   BENCHES      which scripts (space or comma list of names: quantize mla_q ...); default all
     #   BENCH_CAP    seconds for every script; BENCH_CAPS per script: "quantize=90 mla_q=120"
-    #   BENCH_BUDGET seconds for the whole phase (default 540: the device tool stops a command at 600)
+    #   BENCH_BUDGET seconds for the whole phase (default 560: the device tool stops a command at 600)
     #   BENCH_ARGS   anything else for mxmla bench (e.g. --no-compile, or "" to echo every script's output)
     start=$SECONDS
-    bench_args=(${BENCH_MODE---quick} --out "$OUT/bench" --budget "${BENCH_BUDGET:-540}" --commit "$COMMIT")
+    bench_args=(${BENCH_MODE---quick} --out "$OUT/bench" --budget "${BENCH_BUDGET:-560}" --commit "$COMMIT")
     [ -n "${BENCHES:-}" ] && bench_args+=(--benches "$(echo ${BENCHES} | tr ' ' ',')")
     [ -n "${BENCH_CAP:-}" ] && bench_args+=(--cap "$BENCH_CAP")
     [ -n "${BENCH_CAPS:-}" ] && bench_args+=(--caps "$BENCH_CAPS")
