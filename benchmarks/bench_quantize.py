@@ -17,8 +17,9 @@ bandwidth and >= 1.4x torch.compile producing both; rowwise >= compile.
   triton_to_mxfp8_dim0 (row), triton_to_mxfp8_dim1 (col), both calls (dual), and its torch
   reference cast to_mx (row). torchao's triton rceil needs sm100 (a ue8m0 convert instruction): below
   sm100 its kernels run with floor scales ("[floor scales]": same bytes moved, other scale values, so
-  same_frac < 1 is expected); to_mx always uses rceil. torch.compile of the eager backend (row, dual) and of torchao's to_mx
-  (row) come last in each shape's loop, so a slow compile costs only its own rows.
+  same_frac < 1 is expected); to_mx always uses rceil. torch.compile of the eager backend (row,
+  dual) and of torchao's to_mx (row) come last in each shape's loop, so a slow compile costs only its
+  own rows.
 - times: medians of triton.testing.do_bench(warmup=25, rep=100), which flushes L2 between runs. First
   call times (compile + autotune) are printed, and the autotuned tile. "same" says whether the impl's
   codes and scales equal triton's bytes (torchao: same_frac = the fraction of equal bytes, when not 1).

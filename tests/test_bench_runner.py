@@ -60,7 +60,8 @@ rec.finish([("op", "op", 8, ""), ("impl", "impl", 12, ""), benchlib.MS])
 FAKE_STUBBORN = """
 import json, signal, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # stuck where SIGINT cannot reach Python
-print("BENCH_ROW " + json.dumps(dict(op="fake op", shape="[2048,64]", tokens=2048, impl="stubborn", ms=4.0)), flush=True)
+row = dict(op="fake op", shape="[2048,64]", tokens=2048, impl="stubborn", ms=4.0)
+print("BENCH_ROW " + json.dumps(row), flush=True)
 time.sleep(600)
 """
 

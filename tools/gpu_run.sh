@@ -68,8 +68,9 @@ for phase in $PHASES; do
     rc=${PIPESTATUS[0]}
     python3 benchmarks/summarize.py "$OUT/bench/results.json" --commit "$COMMIT" > "$OUT/summary.md" 2>&1
     n_ok=$(grep -cE '^  [a-z_0-9]+ +ok ' "$OUT/bench.log")
-    not_ok=$(grep -E '^  [a-z_0-9]+ +(capped|killed|failed|skipped)' "$OUT/bench.log" | awk '{print $1 " " $2}' | paste -sd, -)
-    summary+=("mxmla bench: rc=$rc in $((SECONDS-start)) s: $n_ok scripts ok${not_ok:+; $not_ok}; $OUT/bench/results.json")
+    not_ok=$(grep -E '^  [a-z_0-9]+ +(capped|killed|failed|skipped|interrupted)' "$OUT/bench.log" \
+      | awk '{print $1 " " $2}' | paste -sd, -)
+    summary+=("mxmla bench: rc=$rc in $((SECONDS-start)) s: $n_ok scripts ok${not_ok:+; $not_ok}; $OUT/bench")
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
