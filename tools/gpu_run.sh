@@ -29,7 +29,7 @@ for phase in $PHASES; do
   test)
     # One pytest per module, each under its own time cap (SIGINT: pytest still prints what it ran), so
     # a slow module cannot eat the whole lease. Caps: MODULE=seconds pairs in $TEST_CAPS.
-    for pair in ${TEST_CAPS:-quantize=45 swizzle=15 mla_q=45 gemm=30 rmsnorm=25 attention=70 rope=45}; do
+    for pair in ${TEST_CAPS:-determinism=60 quantize=90 swizzle=20 mla_q=90 gemm=60 rmsnorm=45 attention=120 rope=90}; do
       mod=${pair%%=*}; cap=${pair#*=}
       start=$SECONDS
       timeout -s INT "$cap" python3 -m pytest tests/conformance -k "cuda and test_${mod}" -q -p no:cacheprovider \
