@@ -113,7 +113,7 @@ class _TablePlugin:
         from tests.conformance.conftest import OPS_BY_TEST
 
         target = self.targets.get(report.nodeid, "any")
-        ops = OPS_BY_TEST.get(report.nodeid) or {Path(report.fspath).stem.replace("test_", "")}
+        ops = OPS_BY_TEST.get(report.nodeid) or {f"({Path(report.fspath).stem} other)"}
         for op in ops:
             cell = self.cells.setdefault((op, target), {"passed": 0, "failed": 0, "skipped": 0, "first": ""})
             cell[report.outcome] += 1
