@@ -27,7 +27,6 @@ every output against the first baseline that ran ("err"), so a fast wrong result
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -36,19 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="only B=1 S=4096 H=128 causal")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="S (B=1, H=128, causal)")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "only B=1 S=4096 H=128 causal", "S (B=1, H=128, causal)")
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import backends  # noqa: E402
 

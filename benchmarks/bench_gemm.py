@@ -17,7 +17,6 @@ torch.compile baseline here).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -25,19 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="M = 4096 only")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="M of a [M, 1536] against b [24576, 1536]")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "M = 4096 only", "M of a [M, 1536] against b [24576, 1536]")
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import backends  # noqa: E402
 

@@ -19,7 +19,6 @@ runs last, after the backward and MXFP8 rows, so a slow compile costs only its o
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -27,20 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="T in 4096, 16384 only; no backward")
-    ap.add_argument("--mx", action="store_true", help="also the MXFP8-projection variant")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="T of x [T, 1536]")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "T in 4096, 16384 only; no backward", "T of x [T, 1536]", flags=[("--mx", "also the MXFP8-projection variant")])
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import backends  # noqa: E402
 

@@ -28,7 +28,6 @@ scales written directly and dequantize.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -36,20 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the headline shape only")
-    ap.add_argument("--sweep", action="store_true", help="more shapes and dtypes, swizzled scales, dequantize")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="rows T of x [T, 24576] bf16")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "the headline shape only", "rows T of x [T, 24576] bf16", flags=[("--sweep", "more shapes and dtypes, swizzled scales, dequantize")])
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
 

@@ -13,7 +13,6 @@ autotune) is reported. "same" says whether an impl's codes, scales and rstd equa
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,19 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one T per D; torch.compile included")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="T of x [T, D], D = 1536 and 7168")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "one T per D; torch.compile included", "T of x [T, D], D = 1536 and 7168")
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import backends  # noqa: E402
 

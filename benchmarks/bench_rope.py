@@ -13,7 +13,6 @@ without --quick, 32768); torch.compile runs last for each T (with --quick only a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -22,19 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchlib  # noqa: E402
 
 
-def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="T in 4096, 16384; torch.compile only at 16384")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
-    benchlib.add_common_args(ap, tokens_axis="T of x [T, 128, 192]")
-    return ap.parse_args()
-
-
-ARGS = parse_args()
+ARGS = benchlib.parse_script_args(__doc__, "T in 4096, 16384; torch.compile only at 16384", "T of x [T, 128, 192]")
 import torch  # noqa: E402
-
-if ARGS.smoke and not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import backends  # noqa: E402
 

@@ -53,6 +53,22 @@ def add_common_args(ap: argparse.ArgumentParser, tokens_axis: str | None) -> Non
     ap.add_argument("--json", help="write the rows as JSON here (also after a SIGINT)")
 
 
+def parse_script_args(doc: str, quick_help: str, tokens_axis: str | None, flags=()) -> argparse.Namespace:
+    """The command line of a bench_<op>.py script: --quick, --smoke, the common flags and the script's
+    own store-true `flags` ((name, help) pairs). --smoke without CUDA selects the Triton interpreter,
+    which must happen before triton is imported, hence here."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    for name, help_text in flags:
+        ap.add_argument(name, action="store_true", help=help_text)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU under TRITON_INTERPRET=1")
+    add_common_args(ap, tokens_axis=tokens_axis)
+    args = ap.parse_args()
+    if args.smoke and not on_cuda():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return args
+
+
 # --------------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------------
