@@ -75,6 +75,9 @@ def parse_args(argv=None):
                     help="token counts for every script with a token axis, comma list or 'sweep' "
                          f"(= {','.join(map(str, benchlib.SWEEP_TOKENS))})")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    ap.add_argument("--compile", action="store_true",
+                    help="with --quick: keep the torch.compile baselines (--quick skips them: compiling them "
+                         "takes longer than the 3-minute quick run)")
     ap.add_argument("--out", default="bench_out", help="folder for logs, JSON and plots (default: bench_out)")
     ap.add_argument("--benches", help="comma list of scripts to run (bench_<name>.py), in this order")
     ap.add_argument("--skip", help="comma list of scripts not to run")
@@ -126,7 +129,7 @@ def script_argv(script: Path, json_path: Path, args) -> list[str]:
         cmd.append("--smoke")
     if args.tokens:
         cmd += ["--tokens", ",".join(map(str, args.tokens))]
-    if args.no_compile:
+    if args.no_compile or (args.quick and not args.compile):
         cmd.append("--no-compile")
     return cmd + ["--json", str(json_path)]
 

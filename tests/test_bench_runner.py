@@ -284,3 +284,14 @@ def test_sigint_keeps_the_rows_measured(tmp_path):
     assert data["interrupted"] is True
     assert 2 <= len(data["rows"]) < 15, "stopped early, kept what it had"
     assert [r["tokens"] for r in data["rows"][:2]] == [32, 32]
+
+
+def test_quick_skips_torch_compile_unless_asked():
+    # --quick must fit in 3 minutes on the H200; the torch.compile baselines alone take longer.
+    script, js = Path("bench_x.py"), Path("x.json")
+    quick = run_all.script_argv(script, js, run_all.parse_args(["--quick"]))
+    assert "--quick" in quick and "--no-compile" in quick
+    kept = run_all.script_argv(script, js, run_all.parse_args(["--quick", "--compile"]))
+    assert "--no-compile" not in kept
+    full = run_all.script_argv(script, js, run_all.parse_args([]))
+    assert "--no-compile" not in full and "--quick" not in full
