@@ -7,7 +7,8 @@ stream, and compare their loss curves.
 
 Writes <out>/train_compare.png (both curves) and <out>/train_compare.json: per-path losses, step
 times and chosen backends, the final losses and their relative difference
-|L_mxfp8 - L_ref| / L_ref, both for the last step and for the mean of the last 10 steps (one step's
+|L_mxfp8 - L_ref| / L_ref, both for the last step and for the mean of the last 10 steps, the task's
+label-noise floor and each path's excess loss above it (one step's
 loss carries batch noise; the runs see the same batches, so the two readings usually agree). The
 target is a relative difference within 2% on the last-10 mean (`within_target`). With --max-seconds
 the first path may stop early; the others then train as many steps, without a time limit
@@ -88,6 +89,10 @@ def main(argv=None) -> int:
         tail = slice(max(0, steps_done - TAIL), steps_done)
         summary["rel_diff_mean_last10"] = _rel(_mean(cand[tail]), _mean(ref[tail]))
         summary["max_rel_diff_any_step"] = max(_rel(c, r) for c, r in zip(cand, ref))
+        # the label noise's floor (the same batches for every path): what is left above it is learnable
+        floor = _mean(runs[reference]["loss_floor"][tail])
+        summary["loss_floor_mean_last10"] = floor
+        summary["excess_over_floor_last10"] = {p: _mean(runs[p]["losses"][tail]) - floor for p in paths}
     summary["target_rel_diff"] = TARGET_REL_DIFF
     summary["completed"] = steps_done == args.steps
     summary["within_target"] = bool(summary.get("rel_diff_mean_last10", math.inf) <= TARGET_REL_DIFF)
@@ -106,6 +111,8 @@ def main(argv=None) -> int:
           + ", ".join(f"{p} {summary['final_loss'][p]:.5f}" for p in paths)
           + f"; rel diff last-10 mean {summary.get('rel_diff_mean_last10', math.nan):.3%} "
           f"(final step {summary.get('rel_diff_final', math.nan):.3%}); "
+          f"noise floor {summary.get('loss_floor_mean_last10', math.nan):.5f}, excess over it "
+          + ", ".join(f"{p} {v:.5f}" for p, v in summary.get("excess_over_floor_last10", {}).items()) + "; "
           f"{'WITHIN' if summary['within_target'] else 'NOT within'} {TARGET_REL_DIFF:.0%}"
           + ("" if summary["completed"] else " (time budget: fewer steps than requested)"))
     return 0 if summary["within_target"] and summary["completed"] else 1
