@@ -75,13 +75,13 @@ def main():
             bm, bk = cfg.kwargs["BLOCK_M"], (32 if mx else cfg.kwargs["BLOCK_K"]); dt = "fp8e4nv" if mx else "bf16"
             t = {"x_desc":f"tensordesc<{dt}[{bm},{bk}]>","wn_desc":f"tensordesc<{dt}[128,{bk}]>","wr_desc":f"tensordesc<{dt}[64,{bk}]>",
                  "xs_ptr":"*u8","ws_ptr":"*u8","cos_ptr":"*fp32","sin_ptr":"*fp32","row_code_ptr":"*u8","row_scale_ptr":"*u8","col_code_ptr":"*u8","col_scale_ptr":"*u8"}
-            c = dict(MX=mx, XS_SWIZZLED=False, WS_SWIZZLED=False, HW_CVT=True, DOT_F32=False, EVEN_T=True, WIDEN_BF16=mx)
+            c = dict(MX=mx, XS_SWIZZLED=False, WS_SWIZZLED=False, HW_CVT=True, DOT_F32=False, EVEN_T=True, WIDEN_F16=mx)
             if mx: c.update(stride_xs_col=1, stride_ws_col=1)
             _go(Q._mla_q_fwd_tma_kernel, t, c, cfg, f"fwdtma{int(mx)}_{i}", ["T","K","T_BUCKET","stride_cos","stride_sin","stride_xs_row","stride_ws_row"])
         for i, cfg in enumerate(Q._fwd_configs(mx, tma=False)):
             dt = "fp8e4nv" if mx else "bf16"
             t = {"x_ptr":f"*{dt}","w_ptr":f"*{dt}","xs_ptr":"*u8","ws_ptr":"*u8","cos_ptr":"*bf16","sin_ptr":"*bf16","row_code_ptr":"*u8","row_scale_ptr":"*u8","col_code_ptr":"*u8","col_scale_ptr":"*u8"}
-            c = dict(MX=mx, XS_SWIZZLED=mx, WS_SWIZZLED=False, HW_CVT=True, DOT_F32=False, EVEN_T=False, EVEN_K=True, stride_xk=1, stride_wk=1, WIDEN_BF16=mx)
+            c = dict(MX=mx, XS_SWIZZLED=mx, WS_SWIZZLED=False, HW_CVT=True, DOT_F32=False, EVEN_T=False, EVEN_K=True, stride_xk=1, stride_wk=1, WIDEN_F16=mx)
             _go(Q._mla_q_fwd_kernel, t, c, cfg, f"fwdptr{int(mx)}_{i}", ["T","K","T_BUCKET","stride_xt","stride_wn","stride_cos","stride_sin"])
     # prep kernel
     for flags in [dict(ROPE=True, WRITE_BF16=True, ROW_Q=False, COL_Q=False), dict(ROPE=True, WRITE_BF16=False, ROW_Q=True, COL_Q=True), dict(ROPE=False, WRITE_BF16=False, ROW_Q=False, COL_Q=True)]:
@@ -91,10 +91,10 @@ def main():
     for i, cfg in enumerate(G._tma_configs()):
         bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
         t = {"a_desc":f"tensordesc<fp8e4nv[{bm},32]>","b_desc":f"tensordesc<fp8e4nv[{bn},32]>","sa_desc":f"tensordesc<fp32[1,{bm}]>","sb_desc":f"tensordesc<fp32[1,{bn}]>","c_ptr":"*bf16"}
-        compile_sm90(G._mxfp8_gemm_tma_kernel, t, dict(cfg.kwargs, OUT_DTYPE=tl.bfloat16, stride_cn=1, WIDEN_BF16=True), cfg.num_warps, cfg.num_stages, f"gtma_{i}", div16=["N","K","stride_cm"])
+        compile_sm90(G._mxfp8_gemm_tma_kernel, t, dict(cfg.kwargs, OUT_DTYPE=tl.bfloat16, stride_cn=1, WIDEN_F16=True), cfg.num_warps, cfg.num_stages, f"gtma_{i}", div16=["N","K","stride_cm"])
     for i, cfg in enumerate(G._sm90_configs()):
         t = {"a_ptr":"*fp8e4nv","a_scale_ptr":"*u8","b_ptr":"*fp8e5","b_scale_ptr":"*u8","c_ptr":"*fp32"}
-        compile_sm90(G._mxfp8_gemm_kernel, t, dict(cfg.kwargs, A_SWIZZLED=False, B_SWIZZLED=True, OUT_DTYPE=tl.float32, EVEN_K=True, WIDEN_BF16=True, stride_ak=1, stride_bk=1, stride_as_col=1, stride_cn=1), cfg.num_warps, cfg.num_stages, f"gptr_{i}", div16=["K","N","stride_am","stride_bn","stride_cm","stride_as_row"])
+        compile_sm90(G._mxfp8_gemm_kernel, t, dict(cfg.kwargs, A_SWIZZLED=False, B_SWIZZLED=True, OUT_DTYPE=tl.float32, EVEN_K=True, WIDEN_F16=True, stride_ak=1, stride_bk=1, stride_as_col=1, stride_cn=1), cfg.num_warps, cfg.num_stages, f"gptr_{i}", div16=["K","N","stride_am","stride_bn","stride_cm","stride_as_row"])
     compile_sm90(G._scale_f32_kernel, {"scale_ptr":"*u8","out_ptr":"*fp32"}, dict(SWIZZLED=True, BLOCK_R=64, BLOCK_KB=16), 4, 1, "scalef32", div16=["R_PAD","KB_PAD"])
 
 

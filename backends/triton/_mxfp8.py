@@ -133,24 +133,26 @@ def encode_e4m3_arith(y, HW_CVT: tl.constexpr):
 # one MX block's partial sum on the tensor cores
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def mx_block_dot(a, b_t, WIDEN_BF16: tl.constexpr):
+def mx_block_dot(a, b_t, WIDEN_F16: tl.constexpr):
     """fp32 partial sum of one 32-wide MX block: a [M, 32] x b_t [32, N] fp8 codes (scales applied by
-    the caller). WIDEN_BF16 widens the codes to bf16 first -- exact: every e4m3 / e5m2 value is a bf16
-    value -- so the products (<= 8 significant bits, exact) are summed by the bf16 MMA's fp32
-    accumulator. Without it the fp8 MMA sums them, and on sm89/sm90 that accumulator keeps fewer bits
-    than fp32 (the DeepSeek-V3 report measures ~14 on H800; on the H200 this project's random-input
-    bounds, derived for fp32 summation, failed with it). See fp8_mma_widened()."""
-    if WIDEN_BF16:
-        return tl.dot(a.to(tl.bfloat16), b_t.to(tl.bfloat16))
+    the caller). WIDEN_F16 widens the codes to fp16 first -- exact: every e4m3 and e5m2 value, Inf and
+    NaN included, is an fp16 value (the hardware cvt.f16x2.e4m3x2 / e5m2x2) -- so the products (<= 8
+    significant bits, exact) are summed by the fp16 MMA's fp32 accumulator. bf16 would do as well
+    arithmetically, but Triton's e5m2 -> bf16 conversion on sm90 turned the Inf code into 65536 on the
+    H200. Without WIDEN_F16 the fp8 MMA sums the block, and on sm89/sm90 that accumulator keeps fewer
+    bits than fp32 (the DeepSeek-V3 report measures ~14 on H800; on the H200 this project's
+    random-input bounds, derived for fp32 summation, failed with it). See fp8_mma_widened()."""
+    if WIDEN_F16:
+        return tl.dot(a.to(tl.float16), b_t.to(tl.float16))
     else:
         return tl.dot(a, b_t)
 
 
 def fp8_mma_widened(device) -> bool:
-    """WIDEN_BF16 for mx_block_dot: on CUDA by default (fp32-accurate block sums, at the bf16 tensor-core
+    """WIDEN_F16 for mx_block_dot: on CUDA by default (fp32-accurate block sums, at the fp16 tensor-core
     rate); MXMLA_TRITON_FP8_MMA=1 opts into the fp8 MMA (twice the tensor-core rate, narrower
     accumulator: outside the GEMM bound of tests/conformance/test_gemm.py). Off under the interpreter,
-    whose fp8 dot is an exact NumPy product and whose bf16 dot is unreliable."""
+    whose fp8 dot is an exact NumPy product."""
     import os
 
     from ._common import interpret_mode

@@ -9,7 +9,7 @@ Kernel design
   (the scale product is exact: a product of two powers of two). Every product of two fp8 codes is exact
   in fp32, so P_b is the exact block sum whenever the 32 products fit fp32's 24 bits (always for the
   byte tests' small integers); the only roundings are those of fp32 accumulation across blocks, in
-  block order. That holds for the bf16 MMA, and so by default the codes are widened to bf16 (exact)
+  block order. That holds for the fp16 MMA, and so by default the codes are widened to fp16 (exact)
   before the dot (_mxfp8.mx_block_dot). The fp8 MMA (wgmma k32) sums with a narrower accumulator on
   sm90: on the H200 its results left the fp32-summation bound of tests/conformance/test_gemm.py
   (errors up to ~2^-8 relative on wide-exponent data), as the DeepSeek-V3 report describes for
@@ -118,7 +118,7 @@ def _mxfp8_gemm_kernel(
     stride_cm, stride_cn,
     A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -148,7 +148,7 @@ def _mxfp8_gemm_kernel(
                 b = tl.load(b_ptrs + kk * stride_bk, mask=inside[None, :], other=0.0)
                 sa = tl.load(sa_ptrs, mask=(rows_a * 0 + kk) < K, other=127).to(tl.int32)
                 sb = tl.load(sb_ptrs, mask=(rows_b * 0 + kk) < K, other=127).to(tl.int32)
-            partial = mx_block_dot(a, tl.trans(b), WIDEN_BF16)  # one MX block, fp32 sum from +0
+            partial = mx_block_dot(a, tl.trans(b), WIDEN_F16)  # one MX block, fp32 sum from +0
             factor = scale_value(sa)[:, None] * scale_value(sb)[None, :]  # exact: powers of two
             acc = tl.fma(partial, factor, acc)
 
@@ -180,7 +180,7 @@ def _mxfp8_gemm_tma_kernel(
     a_desc, b_desc, sa_desc, sb_desc, c_ptr,
     M, N, K, M_BUCKET, stride_cm, stride_cn,
     OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    GROUP_M: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     """a_desc / b_desc: TMA descriptors of the fp8 codes with [BLOCK_M, 32] / [BLOCK_N, 32] boxes (one MX
     block; zero fill past M, N, K). sa_desc / sb_desc: TMA descriptors of the fp32 factors
@@ -201,7 +201,7 @@ def _mxfp8_gemm_tma_kernel(
             b = b_desc.load([n0, kk])
             sa = tl.reshape(sa_desc.load([kk // 32, m0]), [BLOCK_M])
             sb = tl.reshape(sb_desc.load([kk // 32, n0]), [BLOCK_N])
-            partial = mx_block_dot(a, tl.trans(b), WIDEN_BF16)  # one MX block, fp32 sum from +0
+            partial = mx_block_dot(a, tl.trans(b), WIDEN_F16)  # one MX block, fp32 sum from +0
             acc = tl.fma(partial, sa[:, None] * sb[None, :], acc)
     out = round_f32_canonical_nan(acc, OUT_DTYPE)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -413,10 +413,10 @@ def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
     widen = fp8_mma_widened(out.device)
     if cfg is not None:
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _mxfp8_gemm_tma_kernel[grid](*args, OUT_DTYPE=out_dtype, WIDEN_BF16=widen, **cfg)
+        _mxfp8_gemm_tma_kernel[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen, **cfg)
     else:
         grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
-        _gemm_tma[grid](*args, OUT_DTYPE=out_dtype, WIDEN_BF16=widen)
+        _gemm_tma[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen)
     return out
 
 
@@ -445,7 +445,7 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
         meta.update(A_FORMAT=_DOT_SCALED_FORMAT[a.elem], B_FORMAT=_DOT_SCALED_FORMAT[b.elem])
         tuned, fixed, cfg = _gemm_sm100, _gemm_sm100_fixed, _FIXED_SM100
     else:
-        meta.update(WIDEN_BF16=fp8_mma_widened(out.device))
+        meta.update(WIDEN_F16=fp8_mma_widened(out.device))
         tuned, fixed, cfg = _gemm_sm90, _gemm_sm90_fixed, _FIXED_SM90
     if interpret_mode():
         cfg = _INTERPRET

@@ -25,7 +25,7 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   2^(sw-127), acc) (the same scheme as backends/triton/gemm.py: code products are exact in fp32, the
   scale product is an exact power of two; folding the scales into bf16 operands instead is not always
   exact -- e4m3 code * 2^k leaves bf16's range for scale bytes outside [3, 246]). On CUDA the codes
-  are widened to bf16 before the dot (_mxfp8.mx_block_dot): the fp8 MMA of sm90 sums the block with a
+  are widened to fp16 before the dot (_mxfp8.mx_block_dot): the fp8 MMA of sm90 sums the block with a
   narrower accumulator, which broke SEMANTICS 6's random-input bound on the H200 (4.3e-3 of code bytes
   flipped, bound 1e-3); MXMLA_TRITON_FP8_MMA=1 brings the fp8 MMA back.
 - Epilogue, all in registers, in the order of the spec:
@@ -245,7 +245,7 @@ def _mla_q_fwd_kernel(
     stride_cos, stride_sin,
     MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROPE_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_T: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     HEAD: tl.constexpr = 192
     NOPE: tl.constexpr = 128
@@ -288,13 +288,13 @@ def _mla_q_fwd_kernel(
                 swn = scale_value(tl.load(ws_ptr + scale_offsets(n_nope, kb, stride_ws_row, stride_ws_col,
                                                                  ws_col_groups, WS_SWIZZLED),
                                           mask=(n_nope * 0 + kk) < K, other=127).to(tl.int32))
-                acc_nope = tl.fma(mx_block_dot(a, tl.trans(wn), WIDEN_BF16), sx[:, None] * swn[None, :], acc_nope)
+                acc_nope = tl.fma(mx_block_dot(a, tl.trans(wn), WIDEN_F16), sx[:, None] * swn[None, :], acc_nope)
                 if ROPE_SPLIT:
                     wr = tl.load(wr_ptrs + kk * stride_wk, mask=kmask, other=0.0)
                     swr = scale_value(tl.load(ws_ptr + scale_offsets(n_rope, kb, stride_ws_row, stride_ws_col,
                                                                      ws_col_groups, WS_SWIZZLED),
                                               mask=(n_rope * 0 + kk) < K, other=127).to(tl.int32))
-                    acc_rope = tl.fma(mx_block_dot(a, tl.trans(wr), WIDEN_BF16), sx[:, None] * swr[None, :], acc_rope)
+                    acc_rope = tl.fma(mx_block_dot(a, tl.trans(wr), WIDEN_F16), sx[:, None] * swr[None, :], acc_rope)
                 else:
                     we = tl.load(we_ptrs + kk * stride_wk, mask=kmask, other=0.0)
                     wo = tl.load(wo_ptrs + kk * stride_wk, mask=kmask, other=0.0)
@@ -304,8 +304,8 @@ def _mla_q_fwd_kernel(
                     swo = scale_value(tl.load(ws_ptr + scale_offsets(n_odd, kb, stride_ws_row, stride_ws_col,
                                                                      ws_col_groups, WS_SWIZZLED),
                                               mask=(n_odd * 0 + kk) < K, other=127).to(tl.int32))
-                    acc_even = tl.fma(mx_block_dot(a, tl.trans(we), WIDEN_BF16), sx[:, None] * swe[None, :], acc_even)
-                    acc_odd = tl.fma(mx_block_dot(a, tl.trans(wo), WIDEN_BF16), sx[:, None] * swo[None, :], acc_odd)
+                    acc_even = tl.fma(mx_block_dot(a, tl.trans(we), WIDEN_F16), sx[:, None] * swe[None, :], acc_even)
+                    acc_odd = tl.fma(mx_block_dot(a, tl.trans(wo), WIDEN_F16), sx[:, None] * swo[None, :], acc_odd)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xk
@@ -363,7 +363,7 @@ def _mla_q_fwd_tma_kernel(
     stride_cos, stride_sin,
     MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_T: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
     """The same op with TMA tile loads (Hopper tensor descriptors): x [BM, BK], the head's no-RoPE rows
     [128, BK] and RoPE rows [64, BK] (natural order, split in registers as ROPE_SPLIT). TMA zero-fills
@@ -397,8 +397,8 @@ def _mla_q_fwd_tma_kernel(
                 swr = scale_value(tl.load(ws_ptr + scale_offsets(n_rope, kb, stride_ws_row, stride_ws_col,
                                                                  ws_col_groups, WS_SWIZZLED),
                                           mask=(n_rope * 0 + kk) < K, other=127).to(tl.int32))
-                acc_nope = tl.fma(mx_block_dot(a, tl.trans(wn), WIDEN_BF16), sx[:, None] * swn[None, :], acc_nope)
-                acc_rope = tl.fma(mx_block_dot(a, tl.trans(wr), WIDEN_BF16), sx[:, None] * swr[None, :], acc_rope)
+                acc_nope = tl.fma(mx_block_dot(a, tl.trans(wn), WIDEN_F16), sx[:, None] * swn[None, :], acc_nope)
+                acc_rope = tl.fma(mx_block_dot(a, tl.trans(wr), WIDEN_F16), sx[:, None] * swr[None, :], acc_rope)
     else:
         for k0 in range(0, K, BLOCK_K):
             a = x_desc.load([m0, k0])
@@ -552,7 +552,7 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None):
     outs = (row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8), col_scale)
     tail = (sxr, sxc, swr, swc, x_groups, w_groups, cos.stride(0), sin.stride(0))
     meta = dict(MX=mx, XS_SWIZZLED=x_swz, WS_SWIZZLED=w_swz, HW_CVT=_hw_cvt(device), DOT_F32=interpret_mode(),
-                WIDEN_BF16=mx and fp8_mma_widened(device))
+                WIDEN_F16=mx and fp8_mma_widened(device))
     if interpret_mode() and config is None:
         config = _interpret_config()
     if config is None and not _autotune_enabled():

@@ -20,6 +20,7 @@ import pytest
 
 import spec
 from tests.conformance.conftest import run_on
+from tests.conformance.test_mla_q import assert_close_mx, staging_flip_bound
 from tests.test_mla_q import exact_case, mx_rowwise, random_operands, tables
 from tests.util import BF16, assert_bytes_equal
 
@@ -169,22 +170,6 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     _check_mx(got[1], want[1], "q_col")
 
 
-def _assert_close_mx(got, want, what):
-    g_codes, w_codes = to_numpy(got.data).view(np.uint8), want.data.view(np.uint8)
-    g_scale, w_scale = to_numpy(got.scale), want.scale
-    assert np.mean(g_codes != w_codes) <= 1e-3, f"{what}: {np.mean(g_codes != w_codes):.2e} of codes differ"
-    assert np.mean(g_scale != w_scale) <= 1e-3, f"{what}: scales differ"
-    gv = spec.mxfp8_dequantize(to_numpy(got)).astype(np.float64)
-    wv = spec.mxfp8_dequantize(want).astype(np.float64)
-    # Both sides are within half a code step of nearly equal fp32 values. A permitted scale flip gives
-    # the two blocks different steps, so the bound takes the larger value and the larger scale.
-    scales = np.maximum(spec.quantize.scale_value(g_scale).astype(np.float64),
-                        spec.quantize.scale_value(w_scale).astype(np.float64))
-    step = np.repeat(scales, 32, axis=want.axis) * 2.0 ** -9
-    bound = 2.0 ** -3 * np.maximum(np.abs(gv), np.abs(wv)) + step
-    assert np.all(np.abs(gv - wv) <= bound), f"{what}: {np.count_nonzero(np.abs(gv - wv) > bound)} values out of bound"
-
-
 @pytest.mark.parametrize("variant", ["pointer", "tma"])
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_forward_random_within_bound(triton_target, mla, kind, variant):
@@ -196,8 +181,9 @@ def test_forward_random_within_bound(triton_target, mla, kind, variant):
     want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
     cfg = _pinned(device, 64, 64, True, kind) if device == "cpu" else None
     got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), config=cfg, variant=variant)
-    _assert_close_mx(got[0], want[0], "q_row")
-    _assert_close_mx(got[1], want[1], "q_col")
+    flip = staging_flip_bound(x, w, cos, sin)
+    assert_close_mx(got[0], want[0], flip, "q_row")
+    assert_close_mx(got[1], want[1], flip, "q_col")
 
 
 @pytest.mark.gpu
@@ -216,8 +202,9 @@ def test_forward_deepseek_width_autotuned(triton_target):
     cos, sin = tables(rng, 256, np.float32)
     want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
     got = run_on(triton_target, "mla_q_uproj_rope_quant", *_dev((x, w, cos, sin), "cuda"))
-    _assert_close_mx(got[0], want[0], "q_row random")
-    _assert_close_mx(got[1], want[1], "q_col random")
+    flip = staging_flip_bound(x, w, cos, sin)
+    assert_close_mx(got[0], want[0], flip, "q_row random")
+    assert_close_mx(got[1], want[1], flip, "q_col random")
 
 
 # ------------------------------------------------------------------------------------------------
