@@ -171,3 +171,37 @@ def test_deepseek_shape_exact_autotuned(device, gemm):
     out = gemm._empty((256, 24576), torch.bfloat16, torch.device("cuda"))
     got = gemm.mxfp8_gemm_tensors(to_torch(a, "cuda"), to_torch(b, "cuda"), out)
     assert_bytes_equal(got, want, "deepseek")
+
+
+def test_fp8_mma_widening_switch(monkeypatch):
+    # The block dot widens fp8 codes to fp16 on CUDA (the sm90 fp8 MMA's accumulator is narrower than
+    # fp32, which broke test_random_within_bound on the H200); MXMLA_TRITON_FP8_MMA=1 opts out; the
+    # interpreter and CPU tensors never widen (their fp8 dot is an exact NumPy product).
+    from backends.triton import _mxfp8
+
+    monkeypatch.delenv("MXMLA_TRITON_FP8_MMA", raising=False)
+    monkeypatch.setattr("backends.triton._common.interpret_mode", lambda: False)
+    assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is True
+    assert _mxfp8.fp8_mma_widened("cuda") is True
+    assert _mxfp8.fp8_mma_widened(torch.device("cpu")) is False
+    monkeypatch.setenv("MXMLA_TRITON_FP8_MMA", "1")
+    assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is False
+    monkeypatch.delenv("MXMLA_TRITON_FP8_MMA")
+    monkeypatch.setattr("backends.triton._common.interpret_mode", lambda: True)
+    assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["pointer", "tma"])
+def test_fp8_mma_opt_in_exact_bytes(device, gemm, variant, monkeypatch):
+    # The opt-in fp8 MMA still gives spec's bytes on exact-arithmetic data (only its random-input
+    # accuracy is weaker); e5m2 Inf / NaN codes included through the specials test's data.
+    if device != "cuda":
+        pytest.skip("the MMA choice exists on CUDA only")
+    _skip_unsupported(device, variant)
+    monkeypatch.setenv("MXMLA_TRITON_FP8_MMA", "1")
+    rng = _seed("fp8-mma", variant)
+    a = small_int_operand(rng, 70, 160)
+    b = small_int_operand(rng, 40, 160)
+    got = _run(gemm, a, b, "float32", device, variant, _config(device, 64, 64, 64))
+    assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "float32"), "fp8 mma exact")

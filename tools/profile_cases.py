@@ -1,0 +1,98 @@
+"""Profiling cases for the two open performance questions of the 2026-11-30 H200 runs (BENCHMARKS.md).
+
+    python tools/profile_cases.py mla_q [--tokens 4096]      # a few fused-op launches, for ncu
+    python tools/profile_cases.py host [--tokens 1024]       # where a Triton quantize call's host time goes
+
+mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
+run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
+to see whether the epilogue or the main loop holds the tile (the kernel takes 2.2x the cuBLAS GEMM).
+
+host: below T = 8192 the Triton quantize times stop scaling with T (0.24 ms at T = 1024 where a copy
+takes 0.03 ms). This prints the host time per call (perf_counter around N enqueued calls), the GPU
+time per call (CUDA events around the same N calls), and a cProfile of the calls by cumulative time,
+so the Python frames that cost the time (ours, dispatch's, Triton's launcher) have names.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def mla_q(tokens: int) -> None:
+    import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, 1536, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(128 * 192, 1536, device="cuda", generator=g) / 40).to(torch.bfloat16)
+    angle = torch.rand(tokens, 64, device="cuda", generator=g)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    for _ in range(3):  # compile + autotune, then the launches ncu looks at
+        dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton")
+    torch.cuda.synchronize()
+    for _ in range(3):
+        dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton")
+    torch.cuda.synchronize()
+    print(f"mla_q: T={tokens} launched")
+
+
+def host(tokens: int, calls: int = 200) -> None:
+    import dispatch
+    from backends.triton import quantize as tq
+
+    x = torch.randn(tokens, 24576, device="cuda").to(torch.bfloat16)
+    cases = {
+        "triton quantize dual, direct": lambda: tq.mxfp8_quantize(x, axis=(-1, 0)),
+        "triton quantize dual, dispatch.run": lambda: dispatch.run("mxfp8_quantize", x, axis=(-1, 0), backend="triton"),
+        "triton quantize row, direct": lambda: tq.mxfp8_quantize(x, axis=-1),
+        "torch copy_": lambda: torch.empty_like(x).copy_(x),
+    }
+    for name, fn in cases.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(calls):
+            fn()
+        t_host = (time.perf_counter() - t0) / calls * 1e6
+        stop.record()
+        stop.synchronize()
+        t_gpu = start.elapsed_time(stop) / calls * 1e3
+        print(f"{name:40s} host {t_host:8.1f} us/call   GPU span {t_gpu:8.1f} us/call")
+    prof = cProfile.Profile()
+    fn = cases["triton quantize dual, direct"]
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(25)
+    print(out.getvalue())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=["mla_q", "host"])
+    ap.add_argument("--tokens", type=int)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_cases: needs a CUDA device")
+    if args.case == "mla_q":
+        mla_q(args.tokens or 4096)
+    else:
+        host(args.tokens or 1024)
+
+
+if __name__ == "__main__":
+    main()
