@@ -161,15 +161,6 @@ def cudnn_with_lse(q, k, v, causal, scale):
     return call
 
 
-def interleaved_ms(fns: dict, rounds: int = 3) -> dict:
-    """Median over rounds of each function's median, the functions taking turns in every round."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench_ms(fn))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
 def run_baselines(b, s, h, causal, q, k, v, do, scale, tag):
     """Forward and backward of every SDPA backend; returns {(name, direction): (ms, output)}."""
     results = {}
@@ -300,7 +291,7 @@ def measure():
         # F.sdpa's no-grad cuDNN call read 1.16 and 1.28 ms in one earlier run).
         lse_fwd = cudnn_with_lse(q, k, v, causal, scale)
         if lse_fwd is not None:
-            t = interleaved_ms({"triton": fwd, "cudnn": lse_fwd})
+            t = benchlib.interleaved_ms({"triton": fwd, "cudnn": lse_fwd})
             cudnn["fwd"] = t["cudnn"]
             keys = case_keys(b, s, h, causal, "fwd", "bf16")
             REC.row(op="fwd", inputs="bf16", impl="sdpa cudnn with lse (aten)", ms=t["cudnn"],

@@ -132,17 +132,6 @@ def torch_cudnn_train_fwd(q, k, v, causal, scale, pad_v):
     return o[..., :D_V] if pad_v else o
 
 
-def interleaved_ms(fns: dict, rounds: int = 5) -> dict:
-    """Median over `rounds` of each function's do_bench median, the functions taking turns in every
-    round: clock and thermal drift during the script then weigh on all of them alike (one torch
-    timing taken before ours and one after differed by 11 % in an earlier run)."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench_ms(fn))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
 def torch_baseline(q, k, v, do, causal, scale, note, shape):
     """{'label', 'fwd_fn', 'fwd_infer_fn', 'o', 'bwd': (ms, grads)} or {} when torch refuses."""
     for pad_v in (False, True):
@@ -358,7 +347,7 @@ def measure(args, rec, info):
             fns.update(torch_fwd=base["fwd_fn"], torch_fwd_infer=base["fwd_infer_fn"])
             if "bwd_fn" in base:
                 fns["torch_bwd"] = base["bwd_fn"]
-        ms = interleaved_ms(fns, rounds=3 if args.quick else 5)
+        ms = benchlib.interleaved_ms(fns, rounds=3 if args.quick else 5, bench=bench_ms)
         fl_fwd = flops(b, s, s, h, causal, "fwd")
         for op, out, ref_out, torch_key in (("fwd", (o,), (base.get("o"),), "torch_fwd"),
                                             ("bwd", grads, base.get("grads"), "torch_bwd")):

@@ -91,6 +91,19 @@ def bench_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def interleaved_ms(fns: dict, rounds: int = 3, bench=None) -> dict:
+    """{name: ms}: the median over `rounds` of each function's `bench` median (default bench_ms), the
+    functions taking turns in every round, so clock and thermal drift during a script weigh on all of
+    them alike (one torch cuDNN reading moved by 11 % between two points of one earlier script). For
+    timings that a target compares."""
+    bench = bench or bench_ms
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def first_call_s(fn) -> float:
     """Wall time of one call including compile / autotune, synchronised on CUDA."""
     import torch

@@ -295,3 +295,17 @@ def test_quick_skips_torch_compile_unless_asked():
     assert "--no-compile" not in kept
     full = run_all.script_argv(script, js, run_all.parse_args([]))
     assert "--no-compile" not in full and "--quick" not in full
+
+
+def test_interleaved_ms_takes_turns_and_reports_medians():
+    calls = []
+    readings = {"a": iter([5.0, 1.0, 3.0]), "b": iter([2.0, 9.0, 4.0])}
+
+    def bench(fn):
+        name = fn()
+        calls.append(name)
+        return next(readings[name])
+
+    got = benchlib.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=3, bench=bench)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert got == {"a": 3.0, "b": 4.0}
