@@ -184,7 +184,7 @@ def measure(tokens, K, H):
             del xm, wm
 
         if DEVICE == "cuda" and not ARGS.no_compile:  # last: a slow compile costs only its own row
-            run_baseline("torch.compile unfused", torch.compile(unfused_chain, dynamic=False))
+            run_baseline("torch.compile unfused", benchlib.compile_static(unfused_chain))
         del ref, x, w, cos, sin
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -90,7 +90,7 @@ def compiled_quantize(axis, scale_layout):
     def fn(x):
         return tuple(flat_outputs(torch_quantize.mxfp8_quantize(x, axis=axis, scale_layout=scale_layout)))
 
-    return torch.compile(fn, dynamic=False)
+    return benchlib.compile_static(fn)
 
 
 def torchao_casts():
@@ -220,7 +220,7 @@ def measure():
                     deferred.append((op, "torch.compile(eager)", compiled_quantize(axis, layout), run_triton,
                                      nbytes, trow))
                     if ao is not None and which == "row" and layout == "compact" and dtype == torch.bfloat16:
-                        deferred.append((op, "torch.compile(torchao to_mx)", torch.compile(ao[1], dynamic=False),
+                        deferred.append((op, "torch.compile(torchao to_mx)", benchlib.compile_static(ao[1]),
                                          run_triton, nbytes, None))
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()

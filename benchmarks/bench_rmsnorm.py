@@ -76,7 +76,7 @@ def measure():
 
         baselines = [("torch eager", torch_rmsnorm.rmsnorm_mxfp8)]
         if DEVICE == "cuda" and not ARGS.no_compile:  # last: a slow compile costs only its own row
-            baselines.append(("torch.compile(eager)", torch.compile(torch_rmsnorm.rmsnorm_mxfp8, dynamic=False)))
+            baselines.append(("torch.compile(eager)", benchlib.compile_static(torch_rmsnorm.rmsnorm_mxfp8)))
         for name, fn in baselines:
             try:
                 if name.startswith("torch.compile"):

@@ -78,7 +78,7 @@ def measure():
                      ("torch eager", torch_rope.rope_backward, "rope_backward")]
         if DEVICE == "cuda" and not ARGS.no_compile and not (ARGS.quick and T != tokens[-1]):
             try:  # last: a slow compile costs only its own row
-                baselines.append(("torch.compile(eager)", torch.compile(torch_rope.rope, dynamic=False), "rope"))
+                baselines.append(("torch.compile(eager)", benchlib.compile_static(torch_rope.rope), "rope"))
             except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
                 REC.note(f"torch.compile unavailable: {exc}")
         for name, fn, op in baselines:

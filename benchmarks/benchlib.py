@@ -104,6 +104,22 @@ def interleaved_ms(fns: dict, rounds: int = 3, bench=None) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def compile_static(fn):
+    """torch.compile(fn, dynamic=False) for a baseline, with Dynamo's recompile limits raised first: a
+    token sweep compiles one graph per shape and variant for the same code objects, and past the
+    default limit (8) Dynamo silently runs eager (a 2026-11-30 H200 sweep timed "torch.compile" at
+    eager speed from T = 16384 on because of it)."""
+    import torch
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
+    return torch.compile(fn, dynamic=False)
+
+
 def first_call_s(fn) -> float:
     """Wall time of one call including compile / autotune, synchronised on CUDA."""
     import torch

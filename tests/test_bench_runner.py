@@ -309,3 +309,11 @@ def test_interleaved_ms_takes_turns_and_reports_medians():
     got = benchlib.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=3, bench=bench)
     assert calls == ["a", "b", "a", "b", "a", "b"]
     assert got == {"a": 3.0, "b": 4.0}
+
+
+def test_compile_static_raises_dynamo_recompile_limits():
+    import torch._dynamo
+
+    benchlib.compile_static(lambda x: x + 1)
+    cfg = torch._dynamo.config
+    assert all(getattr(cfg, n) >= 1024 for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n))
