@@ -586,7 +586,7 @@ def test_bf16_forward_graph(fake, layout, s_q, s_kv, causal):
     assert g.built_with == ["A", "FALLBACK"]
     ((pack, ws, handle),) = g.executions
     assert ws.dtype == torch.uint8 and ws.numel() == WORKSPACE and handle is g.ctor["handle"]
-    assert handle.streams == [0, 0]  # bound at build and at execute (torch's current stream; 0 off CUDA)
+    assert handle.streams == [0]  # bound once to torch's current stream (0 off CUDA), not again per call
     perm = (0, 2, 1, 3) if layout == "bshd" else (1, 2, 0, 3)
     for uid, t in ((att.Q, q), (att.K, k), (att.V, v)):
         assert_bound(pack[uid], g.by_uid(uid), t, expect=t.permute(perm))
@@ -1255,3 +1255,17 @@ def run_dispatch(op, *args, **kwargs):
     import dispatch
 
     return dispatch.run(op, *args, backend="cudnn", **kwargs)
+
+
+
+def test_handle_follows_torch_stream_changes(fake, monkeypatch):
+    # The handle is rebound only when torch's current stream differs from the one last bound (the
+    # call is host time on every cache hit); a stream switch, and a switch back, rebind it.
+    current = {"stream": 11}
+    monkeypatch.setattr(_common, "current_stream_handle", lambda device: current["stream"])
+    q, k, v, _ = bf16_inputs(3, 1, 64, 64, 2, "bshd")
+    for stream in (11, 11, 22, 22, 11):
+        current["stream"] = stream
+        att.mla_attention(q, k, v, causal=True)
+    (g,) = FakeGraph.instances
+    assert g.ctor["handle"].streams == [11, 22, 11]

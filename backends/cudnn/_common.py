@@ -178,10 +178,10 @@ def current_stream_handle(device: torch.device) -> int:
 class _Launch:
     """Per (thread, device): the frontend module, a cuDNN handle, and one workspace per stream."""
 
-    __slots__ = ("fe", "handle", "workspaces")
+    __slots__ = ("fe", "handle", "workspaces", "stream")
 
     def __init__(self, fe, handle):
-        self.fe, self.handle, self.workspaces = fe, handle, {}
+        self.fe, self.handle, self.workspaces, self.stream = fe, handle, {}, None
 
 
 def _launch_state(device: torch.device) -> _Launch:
@@ -204,10 +204,13 @@ def _launch_state(device: torch.device) -> _Launch:
 def handle_for(device: torch.device):
     """This thread's cuDNN handle for `device`, bound to torch's current stream.
 
-    `cudnn.set_stream` is skipped by the frontend when the stream did not change, so the steady
-    state costs a dict lookup and the raw-stream query."""
+    `cudnn.set_stream` is called only when torch's stream differs from the one last bound, so the
+    steady state costs a dict lookup and the raw-stream query."""
     state = _launch_state(device)
-    state.fe.set_stream(state.handle, current_stream_handle(device))
+    stream = current_stream_handle(device)
+    if stream != state.stream:
+        state.fe.set_stream(state.handle, stream)
+        state.stream = stream
     return state.handle
 
 
@@ -220,7 +223,9 @@ def launch(device: torch.device, workspace_bytes: int):
     allocated on first use: run every shape once before CUDA graph capture."""
     state = _launch_state(device)
     stream = current_stream_handle(device)
-    state.fe.set_stream(state.handle, stream)
+    if stream != state.stream:  # the handle is this thread's own: no one else moves its stream
+        state.fe.set_stream(state.handle, stream)
+        state.stream = stream
     if not workspace_bytes:
         return state.handle, None
     ws = state.workspaces.get(stream)

@@ -318,9 +318,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _aligned_all(*ts):
-    if not any(t.data_ptr() % 16 for t in ts):
-        return ts
-    return tuple(_aligned(t) for t in ts)
+    for t in ts:  # a loop, not any(<generator>): this runs on every call of the cache-hit path
+        if t.data_ptr() % 16:
+            return tuple(_aligned(t) for t in ts)
+    return ts
 
 
 def _aligned_mx(t: MXTensor) -> MXTensor:
@@ -363,11 +364,13 @@ def _build_dense_fwd(q, k, v, causal, scale, layout, bottom_right):
     return _Graph(g, (Q, K, V, O, STATS), _build(g, fe))
 
 
-def _dense_forward(q, k, v, causal, scale, layout):
-    """cuDNN forward for bshd / sbhd with S_q <= S_kv when causal."""
+def _dense_forward(q, k, v, causal, scale, layout, b=None, s_q=None, s_kv=None):
+    """cuDNN forward for bshd / sbhd with S_q <= S_kv when causal (b, s_q, s_kv: the caller's
+    _seq_lengths, when it has them)."""
     q, k, v = _aligned_all(q, k, v)
-    b, s_q = _seq_lengths(q, layout)
-    s_kv = _seq_lengths(k, layout)[1]
+    if b is None:
+        b, s_q = _seq_lengths(q, layout)
+        s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
     key = ("fwd", layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), causal, scale,
            bottom_right, q.get_device())
@@ -398,9 +401,10 @@ def _build_dense_bwd(do, q, k, v, o, causal, scale, layout, bottom_right):
     return _Graph(g, (Q, K, V, O, DO, STATS, DQ, DK, DV), _build(g, fe))
 
 
-def _dense_backward(do, q, k, v, o, lse, causal, scale, layout):
-    s_q = _seq_lengths(q, layout)[1]
-    s_kv = _seq_lengths(k, layout)[1]
+def _dense_backward(do, q, k, v, o, lse, causal, scale, layout, s_q=None, s_kv=None):
+    if s_q is None:
+        s_q = _seq_lengths(q, layout)[1]
+        s_kv = _seq_lengths(k, layout)[1]
     bottom_right = causal and s_q != s_kv
     q, k, v, o = _aligned_all(q, k, v, o)
     do = _do_like_o(do, o)
@@ -433,6 +437,8 @@ def _forward_leading_masked(run_fwd, q, k, v, causal, scale, layout):
     s_kv = _seq_lengths(k, layout)[1]
     lead = s_q - s_kv if causal and s_q > s_kv else 0
     if not lead:
+        if run_fwd is _dense_forward:
+            return _dense_forward(q, k, v, causal, scale, layout, b, s_q, s_kv)
         return run_fwd(q, k, v, causal, scale, layout)
     o_run, lse_run = run_fwd(_seq_slice(q, layout, lead), k, v, causal, scale, layout)
     dev = o_run.device
@@ -448,6 +454,8 @@ def _backward_leading_masked(run_bwd, do, q, k, v, o, lse, causal, scale, layout
     s_kv = _seq_lengths(k, layout)[1]
     lead = s_q - s_kv if causal and s_q > s_kv else 0
     if not lead:
+        if run_bwd is _dense_backward:
+            return _dense_backward(do, q, k, v, o, lse, causal, scale, layout, s_q, s_kv)
         return run_bwd(do, q, k, v, o, lse, causal, scale, layout)
     axis = _SEQ_AXIS[layout]
     dq_run, dk, dv = run_bwd(_seq_slice(do, layout, lead), _seq_slice(q, layout, lead), k, v,
