@@ -53,8 +53,11 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   per tile. With one CTA per SM it runs while the tensor cores idle (~+30%); the maxnreg=128 configs
   (<= 82 KB shared memory) put two CTAs on an SM so one tile's epilogue overlaps the other's main
   loop (the main loop keeps its 96 accumulator registers; only the epilogue spills ~0.5 KB/thread).
-  Expected on the H200 (not measured here: no GPU access): 1.15-1.4x the bf16 cuBLAS GEMM time,
-  depending on how much of the epilogue the 2-CTA configs hide; benchmarks/bench_mla_q.py measures it.
+  Measured on the H200 (2026-11-30, BENCHMARKS.md): 2.0-2.2x the bf16 cuBLAS GEMM time for T = 1K-32K,
+  not the 1.15-1.4x this estimate expected: the autotuner picks the one-CTA configs, so the epilogue
+  does not overlap, and it runs below the full issue rate (2 warps per scheduler for its shuffles and
+  barriers). Next: Nsight Compute on it (tools/gpu_profile.sh), then a persistent / warp-specialised
+  kernel.
 - Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
   of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
   moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
