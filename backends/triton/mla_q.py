@@ -54,10 +54,9 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   (<= 82 KB shared memory) put two CTAs on an SM so one tile's epilogue overlaps the other's main
   loop (the main loop keeps its 96 accumulator registers; only the epilogue spills ~0.5 KB/thread).
   Measured on the H200 (2026-11-30, BENCHMARKS.md): 2.0-2.2x the bf16 cuBLAS GEMM time for T = 1K-32K,
-  not the 1.15-1.4x this estimate expected: the autotuner picks the one-CTA configs, so the epilogue
-  does not overlap, and it runs below the full issue rate (2 warps per scheduler for its shuffles and
-  barriers). Next: Nsight Compute on it (tools/gpu_profile.sh), then a persistent / warp-specialised
-  kernel.
+  not the 1.15-1.4x this estimate expected. The autotuner picked 128 x 64, 8 warps, 4 stages (one
+  CTA per SM) from T = 8192 on and 64 x 32, 4 warps (several CTAs per SM) below; both land at ~2x, so
+  more overlap alone does not explain the gap. Next: Nsight Compute on it (tools/gpu_profile.sh).
 - Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
   of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
   moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
