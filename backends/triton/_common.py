@@ -13,6 +13,25 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A 0 / 1 switch from the environment (unset or empty: `default`). Any other value raises, naming
+    the variable: a typo such as `true` is never read as "off"."""
+    value = os.environ.get(name, "")
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
+    """One of `choices` from the environment (unset or empty: `default`); anything else raises."""
+    value = os.environ.get(name, "") or default
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def _tensors(args, kwargs):
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, MXTensor):

@@ -153,10 +153,8 @@ def fp8_mma_widened(device) -> bool:
     rate); MXMLA_TRITON_FP8_MMA=1 opts into the fp8 MMA (twice the tensor-core rate, narrower
     accumulator: outside the GEMM bound of tests/conformance/test_gemm.py). Off under the interpreter,
     whose fp8 dot is an exact NumPy product."""
-    import os
-
-    from ._common import interpret_mode
+    from ._common import env_flag, interpret_mode
 
     if getattr(device, "type", device) != "cuda" or interpret_mode():
         return False
-    return os.environ.get("MXMLA_TRITON_FP8_MMA", "0") != "1"
+    return not env_flag("MXMLA_TRITON_FP8_MMA", False)

@@ -13,8 +13,9 @@ Kernel design
   before the dot (_mxfp8.mx_block_dot). The fp8 MMA (wgmma k32) sums with a narrower accumulator on
   sm90: on the H200 its results left the fp32-summation bound of tests/conformance/test_gemm.py
   (errors up to ~2^-8 relative on wide-exponent data), as the DeepSeek-V3 report describes for
-  H800 (~14 accumulator bits). MXMLA_TRITON_FP8_MMA=1 selects it for speed, outside that bound. Why per block and not one long fp8 dot: MX scales change every 32 elements of K, and
-  Hopper's wgmma has no scale operand. Pre-scaling a larger K tile into one fp8 dot is not exact
+  H800 (~14 accumulator bits). MXMLA_TRITON_FP8_MMA=1 selects it for speed, outside that bound.
+  Why per block and not one long dot: MX scales change every 32 elements of K, and Hopper's wgmma has
+  no scale operand. Pre-scaling a larger K tile into one fp8 dot is not exact
   (fp8 codes shifted by 2^d lose bits or overflow), and a data-dependent "equal scales" fast path
   almost never fires on real weights, so it is not done.
   Cost model (H100/H200 SM, per output element per K block): the tensor core does 32 fp8 FMAs at
@@ -26,8 +27,8 @@ Kernel design
   3.9 + ptxas) of the TMA kernel at 128 x 128 x 64, 8 warps, show 282 SASS instructions per warp per
   K block (128 of them the FMUL/FFMA floor, the rest TMA/mbarrier bookkeeping, scale-vector shared
   loads and loop control): ~560 issue cycles per 128 clk of fp8 wgmma, i.e. ~45% of the bf16 peak
-  -- expect this kernel at ~0.6-0.8x the speed of bf16 cuBLAS on the H200, not faster
-  (benchmarks/bench_gemm.py measures it; native MX on sm100 removes the rescale entirely).
+  -- an estimate of ~0.6-0.8x bf16 cuBLAS; measured on the H200 (2026-11-30, BENCHMARKS.md): 0.29x with
+  the fp8 MMA, 0.21x with the fp16-widened dots (native MX on sm100 removes the rescale entirely).
 - Two sm90 kernels: "tma" (default on sm90 when the codes are TMA-addressable) loads the fp8 codes
   as [BM, 32] / [BN, 32] TMA boxes and the scale factors, pre-expanded by a small kernel to fp32
   [K/32, rows] vectors (2^(e-127), byte 0 -> 2^-127, 255 -> NaN, zero padded), as [1, BM] / [1, BN]
@@ -53,7 +54,6 @@ sums exactly), and a scale pair whose product 2^(sa+sb-254) is outside fp32 (sa 
 """
 from __future__ import annotations
 
-import os
 from typing import List
 
 import torch
@@ -63,7 +63,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
 
@@ -307,7 +307,7 @@ def _even_k(args):
 
 
 def _autotune_enabled() -> bool:
-    return os.environ.get("MXMLA_TRITON_AUTOTUNE", "1") != "0"
+    return env_flag("MXMLA_TRITON_AUTOTUNE", True)
 
 
 _KEY = ["M_BUCKET", "N", "K", "A_SWIZZLED", "B_SWIZZLED", "OUT_DTYPE"]
@@ -362,7 +362,7 @@ def gemm_variant(a: MXTensor, b: MXTensor) -> str:
     device = a.data.device
     if use_dot_scaled(device):
         return "dot_scaled"
-    choice = os.environ.get("MXMLA_TRITON_GEMM_VARIANT", "auto")
+    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "tma", "pointer"), "auto")
     ok = _tma_ok(a.data) and _tma_ok(b.data)
     if choice == "pointer" or not ok:
         return "pointer"

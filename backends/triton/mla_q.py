@@ -78,7 +78,6 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
 """
 from __future__ import annotations
 
-import os
 from typing import List
 
 import torch
@@ -89,10 +88,10 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
-from ._mxfp8 import (amax_bits_ignoring_nan, encode_e4m3_arith, fp8_mma_widened, mx_block_dot, rceil_scale_from_amax_bits,
-                     scale_multiplier, scale_value)
+from ._mxfp8 import (amax_bits_ignoring_nan, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
+                     rceil_scale_from_amax_bits, scale_multiplier, scale_value)
 from .gemm import _grouped_tile, m_bucket, mxfp8_gemm_tensors, scale_offsets
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
@@ -482,7 +481,7 @@ def _interpret_config(**overrides):
 
 
 def _autotune_enabled() -> bool:
-    return os.environ.get("MXMLA_TRITON_AUTOTUNE", "1") != "0"
+    return env_flag("MXMLA_TRITON_AUTOTUNE", True)
 
 
 def _hw_cvt(device: torch.device) -> bool:
@@ -510,7 +509,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def forward_variant(x, w) -> str:
     """"tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (tma | pointer | auto, default auto) decides;
     auto takes TMA on sm90+ when both operands qualify (the interpreter runs either when asked)."""
-    choice = os.environ.get("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
+    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
     ok = _tma_ok(xd) and _tma_ok(wd)
     if choice == "pointer" or not ok:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import struct
 from typing import Dict, List, Optional, Tuple
 
@@ -64,7 +63,7 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import env_flag, interpret_mode, triton_reasons
 from .swizzle import empty_output, swizzle_offset
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -479,7 +478,7 @@ def _bucket(n: int) -> int:
 
 
 def _use_hw_cvt(device: torch.device) -> bool:
-    if interpret_mode() or device.type != "cuda" or os.environ.get("MXMLA_TRITON_SOFT_FP8") == "1":
+    if interpret_mode() or device.type != "cuda" or env_flag("MXMLA_TRITON_SOFT_FP8", False):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 

@@ -205,3 +205,26 @@ def test_fp8_mma_opt_in_exact_bytes(device, gemm, variant, monkeypatch):
     b = small_int_operand(rng, 40, 160)
     got = _run(gemm, a, b, "float32", device, variant, _config(device, 64, 64, 64))
     assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "float32"), "fp8 mma exact")
+
+
+@pytest.mark.parametrize("name", ["MXMLA_TRITON_FP8_MMA", "MXMLA_TRITON_AUTOTUNE", "MXMLA_TRITON_SOFT_FP8"])
+def test_switch_typos_raise(monkeypatch, name):
+    # A 0/1 switch set to anything else names itself instead of silently meaning "off".
+    from backends.triton._common import env_flag
+
+    monkeypatch.setenv(name, "true")
+    with pytest.raises(ValueError, match=name):
+        env_flag(name, False)
+    monkeypatch.setenv(name, "")
+    assert env_flag(name, True) is True
+
+
+@pytest.mark.parametrize("name", ["MXMLA_TRITON_GEMM_VARIANT", "MXMLA_TRITON_MLA_Q_VARIANT"])
+def test_variant_typos_raise(monkeypatch, name):
+    from backends.triton._common import env_choice
+
+    monkeypatch.setenv(name, "tmaa")
+    with pytest.raises(ValueError, match=f"{name}='tmaa': expected one of auto, tma, pointer"):
+        env_choice(name, ("auto", "tma", "pointer"), "auto")
+    monkeypatch.setenv(name, "pointer")
+    assert env_choice(name, ("auto", "tma", "pointer"), "auto") == "pointer"
