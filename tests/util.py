@@ -48,7 +48,7 @@ def _np(a):
 def random_magnitudes(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     """Normal data with each row scaled by a magnitude from 2^-30 to 2^30 (several binades)."""
     x = rng.standard_normal(shape).astype(np.float64)
-    if len(shape) >= 1:
+    if len(shape) >= 1 and x.size:  # an empty shape (all sequence lengths 0) has no rows to scale
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         mags = 2.0 ** rng.integers(-30, 31, size=rows)
         x = (x.reshape(rows, -1) * mags[:, None]).reshape(shape)
