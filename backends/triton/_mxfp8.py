@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._common import env_flag, interpret_mode
+
 # fp32 bit patterns (SEMANTICS 1.1 / 1.4).
 F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
 F32_INF_BITS = tl.constexpr(0x7F800000)
@@ -153,8 +155,6 @@ def fp8_mma_widened(device) -> bool:
     rate); MXMLA_TRITON_FP8_MMA=1 opts into the fp8 MMA (twice the tensor-core rate, narrower
     accumulator: outside the GEMM bound of tests/conformance/test_gemm.py). Off under the interpreter,
     whose fp8 dot is an exact NumPy product."""
-    from ._common import env_flag, interpret_mode
-
     if getattr(device, "type", device) != "cuda" or interpret_mode():
         return False
     return not env_flag("MXMLA_TRITON_FP8_MMA", False)

@@ -180,14 +180,14 @@ def test_fp8_mma_widening_switch(monkeypatch):
     from backends.triton import _mxfp8
 
     monkeypatch.delenv("MXMLA_TRITON_FP8_MMA", raising=False)
-    monkeypatch.setattr("backends.triton._common.interpret_mode", lambda: False)
+    monkeypatch.setattr(_mxfp8, "interpret_mode", lambda: False)
     assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is True
     assert _mxfp8.fp8_mma_widened("cuda") is True
     assert _mxfp8.fp8_mma_widened(torch.device("cpu")) is False
     monkeypatch.setenv("MXMLA_TRITON_FP8_MMA", "1")
     assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is False
     monkeypatch.delenv("MXMLA_TRITON_FP8_MMA")
-    monkeypatch.setattr("backends.triton._common.interpret_mode", lambda: True)
+    monkeypatch.setattr(_mxfp8, "interpret_mode", lambda: True)
     assert _mxfp8.fp8_mma_widened(torch.device("cuda", 0)) is False
 
 
