@@ -55,7 +55,8 @@ class _PoisonedTorch:
 
 
 def _poison(t):
-    t.view(torch.uint8).fill_(0xFF) if t.is_contiguous() and t.numel() else None
+    if t.numel():  # fresh torch.empty buffers: contiguous, so the byte view covers them
+        t.view(torch.uint8).fill_(0xFF)
     return t
 
 
