@@ -55,8 +55,10 @@ class _PoisonedTorch:
 
 
 def _poison(t):
-    if t.numel():  # fresh torch.empty buffers: contiguous, so the byte view covers them
+    if t.is_contiguous():
         t.view(torch.uint8).fill_(0xFF)
+    elif t.is_floating_point():  # empty_like of a strided input keeps its strides
+        t.fill_(float("nan"))
     return t
 
 
