@@ -77,3 +77,13 @@ def poison_like(a) -> np.ndarray:
     out = np.empty_like(np.asarray(a))
     out.view(np.uint8)[...] = 0xFF
     return out
+
+
+def poisoned_empty(shape, dtype, device):
+    """torch.empty filled with 0xFF bytes (NaN floats, NaN codes, scale 255): the allocator tests give
+    a backend's `_empty`, so that an element the kernel never writes fails the byte comparison."""
+    import torch
+
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.view(torch.uint8).fill_(0xFF)
+    return t

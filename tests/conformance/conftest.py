@@ -51,6 +51,15 @@ def target(request):
     return backend, device
 
 
+@pytest.fixture(params=["cpu", "cuda"], ids=["cpu", "cuda"])
+def triton_target(request):
+    """("triton", device) for the Triton-only files, skipping where Triton cannot run on that device."""
+    reason = _skip_reason("triton", request.param)
+    if reason:
+        pytest.skip(reason)
+    return "triton", request.param
+
+
 # nodeid -> ops a test ran, read by `mxmla check` to build its op x backend table.
 OPS_BY_TEST: dict = {}
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import spec
-from tests.util import BF16, assert_bytes_equal
+from tests.util import assert_bytes_equal, poisoned_empty
 
 torch = pytest.importorskip("torch")
-from backends.convert import to_numpy, to_torch  # noqa: E402
+from backends.convert import to_numpy  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
 
 pytestmark = [
@@ -71,8 +71,8 @@ def poisoned_outputs(monkeypatch):
     import backends.triton.swizzle as swizzle
 
     monkeypatch.setattr(swizzle, "POISON_OUTPUTS", True)  # quantize / dequantize outputs
-    monkeypatch.setattr(mla_q, "_empty", lambda shape, dtype, device: _poison(torch.empty(shape, dtype=dtype, device=device)))
-    monkeypatch.setattr(gemm, "_empty", lambda shape, dtype, device: _poison(torch.empty(shape, dtype=dtype, device=device)))
+    monkeypatch.setattr(mla_q, "_empty", poisoned_empty)
+    monkeypatch.setattr(gemm, "_empty", poisoned_empty)
     for module in (rope, attention):
         monkeypatch.setattr(module, "torch", _PoisonedTorch())
 

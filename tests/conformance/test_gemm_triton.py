@@ -18,7 +18,7 @@ import pytest
 
 import spec
 from tests.test_gemm import mx, small_int_operand
-from tests.util import BF16, assert_bytes_equal
+from tests.util import assert_bytes_equal, poisoned_empty
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_numpy, to_torch  # noqa: E402
@@ -29,26 +29,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy under
 VARIANTS = ("pointer", "tma", "dot_scaled")
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def device(request):
-    from tests.conformance.conftest import _skip_reason
-
-    reason = _skip_reason("triton", request.param)
-    if reason:
-        pytest.skip(reason)
-    return request.param
+@pytest.fixture
+def device(triton_target):
+    return triton_target[1]
 
 
 @pytest.fixture
 def gemm(monkeypatch):
     import backends.triton.gemm as mod
 
-    def poisoned(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        t.view(torch.uint8).fill_(0xFF)
-        return t
-
-    monkeypatch.setattr(mod, "_empty", poisoned)
+    monkeypatch.setattr(mod, "_empty", poisoned_empty)
     return mod
 
 

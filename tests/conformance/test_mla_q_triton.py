@@ -22,7 +22,7 @@ import spec
 from tests.conformance.conftest import run_on
 from tests.conformance.test_mla_q import assert_close_mx, staging_flip_bound
 from tests.test_mla_q import exact_case, mx_rowwise, random_operands, tables
-from tests.util import BF16, assert_bytes_equal
+from tests.util import BF16, assert_bytes_equal, poisoned_empty
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_numpy, to_torch  # noqa: E402
@@ -32,29 +32,14 @@ D = 192
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy under the interpreter: NaN/Inf cases
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def triton_target(request):
-    from tests.conformance.conftest import _skip_reason
-
-    reason = _skip_reason("triton", request.param)
-    if reason:
-        pytest.skip(reason)
-    return "triton", request.param
-
-
 @pytest.fixture
 def mla(monkeypatch):
     """The Triton mla_q module with outputs allocated as 0xFF bytes (NaN / NaN codes / scale 255)."""
     import backends.triton.gemm as gemm_mod
     import backends.triton.mla_q as mod
 
-    def poisoned(shape, dtype, device):
-        t = torch.empty(shape, dtype=dtype, device=device)
-        t.view(torch.uint8).fill_(0xFF)
-        return t
-
-    monkeypatch.setattr(mod, "_empty", poisoned)
-    monkeypatch.setattr(gemm_mod, "_empty", poisoned)
+    monkeypatch.setattr(mod, "_empty", poisoned_empty)
+    monkeypatch.setattr(gemm_mod, "_empty", poisoned_empty)
     return mod
 
 

@@ -24,16 +24,6 @@ from backends.convert import to_numpy, to_torch  # noqa: E402
 spec_rmsnorm = importlib.import_module("spec.rmsnorm")
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def triton_target(request):
-    from tests.conformance.conftest import _skip_reason
-
-    reason = _skip_reason("triton", request.param)
-    if reason:
-        pytest.skip(reason)
-    return "triton", request.param
-
-
 @pytest.fixture
 def poisoned_empty(monkeypatch):
     """torch.empty filled with 0xFF bytes (NaN floats, 255 codes/scales) for the test's duration."""

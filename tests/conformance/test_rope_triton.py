@@ -17,16 +17,6 @@ STYLES = ("mla", "neox", "interleaved")
 OPS = ("rope", "rope_backward")
 
 
-@pytest.fixture(params=["cpu", "cuda"])
-def triton_target(request):
-    from tests.conformance.conftest import _skip_reason
-
-    reason = _skip_reason("triton", request.param)
-    if reason:
-        pytest.skip(reason)
-    return "triton", request.param
-
-
 def _check(target, op, x, cos, sin, what="", **kw):
     device = target[1]
     want = getattr(spec, op)(x, cos, sin, **kw)
