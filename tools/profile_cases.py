@@ -2,6 +2,7 @@
 
     python tools/profile_cases.py mla_q [--tokens 4096]      # a few fused-op launches, for ncu
     python tools/profile_cases.py host [--tokens 1024]       # where a Triton quantize call's host time goes
+    python tools/profile_cases.py mla_q_parts [--tokens 4096,16384]  # the fused op's time by epilogue part
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -38,10 +39,51 @@ def mla_q(tokens: int) -> None:
     for _ in range(3):  # compile + autotune, then the launches ncu looks at
         dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton")
     torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("mla_q_profile")  # ncu --nvtx-include "mla_q_profile/": not the autotuner's launches
     for _ in range(3):
         dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton")
     torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
     print(f"mla_q: T={tokens} launched")
+
+
+def mla_q_parts(token_list) -> None:
+    """The fused forward (TMA variant) per autotune config with the epilogue cut down to its parts
+    (backends.triton.mla_q.EPILOGUE_PARTS: the main loop alone, the GEMM's own bf16 store, rowwise only,
+    columnwise only, full), against torch.matmul (cuBLAS) on the same shapes, do_bench medians."""
+    import triton
+
+    import dispatch
+    from backends.triton import mla_q as tq
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    for tokens in token_list:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(tokens, 1536, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(128 * 192, 1536, device="cuda", generator=g) / 40).to(torch.bfloat16)
+        angle = torch.rand(tokens, 64, device="cuda", generator=g)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        gemm = ms(lambda: torch.matmul(x, w.t()))
+        tuned = ms(lambda: dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton"))
+        tuner = tq._fwd_tma_tuned[False]
+        chosen = next(iter(tuner.cache.values()), None) if getattr(tuner, "cache", None) else None
+        print(f"T={tokens}: cuBLAS bf16 GEMM {gemm:.3f} ms; autotuned fused op {tuned:.3f} ms "
+              f"({tuned / gemm:.2f}x); chosen: {chosen}")
+        for cfg in tq._fwd_configs(False, tma=True):
+            pinned = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            if cfg.maxnreg:
+                pinned["maxnreg"] = cfg.maxnreg
+            parts = {}
+            for part in tq.EPILOGUE_PARTS:
+                try:
+                    parts[part] = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, config=pinned, variant="tma",
+                                                                     epilogue=part))
+                except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result
+                    print(f"  {cfg}: {part} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+            print(f"  BM{cfg.kwargs['BLOCK_M']} BK{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} "
+                  f"maxnreg {cfg.maxnreg}: " + "  ".join(f"{p} {t:.3f} ({t / gemm:.2f}x)" for p, t in parts.items()))
 
 
 def host(tokens: int, calls: int = 200) -> None:
@@ -83,15 +125,17 @@ def host(tokens: int, calls: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=["mla_q", "host"])
-    ap.add_argument("--tokens", type=int)
+    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts"])
+    ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_cases: needs a CUDA device")
     if args.case == "mla_q":
-        mla_q(args.tokens or 4096)
+        mla_q(int(args.tokens or 4096))
+    elif args.case == "mla_q_parts":
+        mla_q_parts([int(t) for t in (args.tokens or "4096,16384").split(",")])
     else:
-        host(args.tokens or 1024)
+        host(int(args.tokens or 1024))
 
 
 if __name__ == "__main__":

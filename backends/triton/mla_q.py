@@ -170,13 +170,13 @@ def _store(ptrs, values, mask, UNMASKED: tl.constexpr):
 @triton.jit
 def _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
                          row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
-                         BLOCK_M: tl.constexpr, EVEN_T: tl.constexpr, HW_CVT: tl.constexpr):
+                         BLOCK_M: tl.constexpr, EVEN_T: tl.constexpr, HW_CVT: tl.constexpr,
+                         ROW_Q: tl.constexpr = True, COL_Q: tl.constexpr = True):
     """Epilogue steps 2-4 for one [BLOCK_M tokens, head] tile: nope [BM, 128] and the even / odd RoPE
     inputs [BM, 32] (fp32 values of the bf16-staged q) -> mla RoPE -> both MXFP8 quantizations, stored.
     Addresses: one 64-bit base per output for the tile, 32-bit offsets inside it (the tile spans
     BLOCK_M * H * 192 bytes < 2^31); masks only when T is not a multiple of BLOCK_M (EVEN_T)."""
     HEAD: tl.constexpr = 192
-    NOPE: tl.constexpr = 128
     HALF: tl.constexpr = 32
     NB: tl.constexpr = BLOCK_M // 32
     m0 = pid_m * BLOCK_M
@@ -201,7 +201,20 @@ def _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, s
     col_scales = col_scale_ptr + ((pid_m * NB).to(tl.int64) * code_stride + head * HEAD)  # [T/32, H, 192]
     row_off = rows * code_stride
 
-    # rowwise: blocks 0..3 are the no-RoPE chunks, block 4 `left`, block 5 `right`
+    if ROW_Q:
+        _store_rowwise(nope, left, right, rows, t_ok, row_codes, row_scales, row_off, H, BLOCK_M, EVEN_T, HW_CVT)
+    if COL_Q:
+        _store_columnwise(nope, left, right, pid_m, T, t_ok, col_codes, col_scales, row_off, code_stride,
+                          BLOCK_M, EVEN_T, HW_CVT)
+
+
+@triton.jit
+def _store_rowwise(nope, left, right, rows, t_ok, row_codes, row_scales, row_off, H,
+                   BLOCK_M: tl.constexpr, EVEN_T: tl.constexpr, HW_CVT: tl.constexpr):
+    """Rowwise MXFP8 of one tile: blocks 0..3 are the no-RoPE chunks, block 4 `left`, block 5 `right`."""
+    NOPE: tl.constexpr = 128
+    HALF: tl.constexpr = 32
+    offs_h = tl.arange(0, HALF)
     codes3, e3 = _quantize_rows(tl.reshape(nope, [BLOCK_M, 4, 32]), HW_CVT)
     feat3 = tl.arange(0, 4)[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     _store(row_codes + row_off[:, None, None] + feat3, codes3, t_ok[:, None, None], EVEN_T)
@@ -214,7 +227,15 @@ def _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, s
     _store(row_codes + row_off[:, None] + (NOPE + HALF + offs_h)[None, :], codes_r, t_ok[:, None], EVEN_T)
     _store(row_scales + rows * (H * 6) + 5, e_r.to(tl.uint8), t_ok, EVEN_T)
 
-    # columnwise: blocks of 32 tokens per feature
+
+@triton.jit
+def _store_columnwise(nope, left, right, pid_m, T, t_ok, col_codes, col_scales, row_off, code_stride,
+                      BLOCK_M: tl.constexpr, EVEN_T: tl.constexpr, HW_CVT: tl.constexpr):
+    """Columnwise MXFP8 of one tile: blocks of 32 tokens per feature."""
+    NOPE: tl.constexpr = 128
+    HALF: tl.constexpr = 32
+    NB: tl.constexpr = BLOCK_M // 32
+    offs_h = tl.arange(0, HALF)
     row_off3 = tl.reshape(row_off, [NB, 32])
     ok3 = tl.reshape(t_ok, [NB, 32])
     blk_off = tl.arange(0, NB) * code_stride
@@ -364,7 +385,7 @@ def _mla_q_fwd_tma_kernel(
     stride_cos, stride_sin,
     MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr,
+    EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr, EPILOGUE: tl.constexpr = 0,
 ):
     """The same op with TMA tile loads (Hopper tensor descriptors): x [BM, BK], the head's no-RoPE rows
     [128, BK] and RoPE rows [64, BK] (natural order, split in registers as ROPE_SPLIT). TMA zero-fills
@@ -408,10 +429,27 @@ def _mla_q_fwd_tma_kernel(
             acc_nope = _dot(a, tl.trans(wn), acc_nope, DOT_F32)
             acc_rope = _dot(a, tl.trans(wr), acc_rope, DOT_F32)
 
-    nope = _stage_bf16(acc_nope, HW_CVT)
-    even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, 32, 2]))
-    _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                         row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr, BLOCK_M, EVEN_T, HW_CVT)
+    if EPILOGUE == 3:  # profiling: the main loop alone (a store no launch takes keeps the dots alive)
+        if T < 0:
+            tl.store(row_code_ptr + tl.arange(0, BLOCK_M), tl.sum(acc_nope, 1) + tl.sum(acc_rope, 1))
+    elif EPILOGUE == 4:  # profiling: the GEMM's own epilogue, q staged to bf16 and stored [T, H * 192]
+        out = row_code_ptr.to(tl.pointer_type(tl.bfloat16)) + m0.to(tl.int64) * (H * HEAD) + n0
+        offs_m = tl.arange(0, BLOCK_M)
+        ok = (m0 + offs_m)[:, None] < T
+        tl.store(out + (offs_m * (H * HEAD))[:, None] + tl.arange(0, NOPE)[None, :], acc_nope.to(tl.bfloat16), mask=ok)
+        tl.store(out + (offs_m * (H * HEAD))[:, None] + (NOPE + tl.arange(0, HEAD - NOPE))[None, :],
+                 acc_rope.to(tl.bfloat16), mask=ok)
+    else:
+        nope = _stage_bf16(acc_nope, HW_CVT)
+        even, odd = tl.split(tl.reshape(_stage_bf16(acc_rope, HW_CVT), [BLOCK_M, 32, 2]))
+        _rope_quantize_store(nope, even, odd, pid_m, head, T, H, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                             row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr, BLOCK_M, EVEN_T, HW_CVT,
+                             EPILOGUE != 2, EPILOGUE != 1)
+
+
+# Epilogue variants of the TMA kernel for profiling (tools/profile_cases.py mla_q_parts): the product
+# is "full"; the others time the same main loop with part of the epilogue.
+EPILOGUE_PARTS = {"full": 0, "rowwise": 1, "columnwise": 2, "mainloop": 3, "bf16_store": 4}
 
 
 def _tma_block_hook(nargs):
@@ -521,16 +559,21 @@ def forward_variant(x, w) -> str:
     return "tma" if torch.cuda.get_device_capability(xd.device) >= (9, 0) else "pointer"
 
 
-def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None):
+def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="full"):
     """Run the fused forward. `variant` "tma" | "pointer" (default: forward_variant); `config` (dict of
     BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT (pointer only), num_warps, num_stages) bypasses autotuning
-    (tests and benchmarks use it to pin a variant)."""
+    (tests and benchmarks use it to pin a variant). `epilogue` other than "full" (EPILOGUE_PARTS; TMA
+    variant and a pinned config only) is for profiling: its outputs are not the op's."""
     mx = isinstance(x, MXTensor)
     xd, wd = (x.data, w.data) if mx else (x, w)
     tokens, k = xd.shape
     heads = wd.shape[0] // _HEAD
     device = xd.device
-    row_codes = _empty((tokens, heads, _HEAD), torch.float8_e4m3fn, device)
+    if epilogue not in EPILOGUE_PARTS:
+        raise ValueError(f"epilogue: expected one of {sorted(EPILOGUE_PARTS)}, got {epilogue!r}")
+    if epilogue != "full" and (variant != "tma" or config is None):
+        raise ValueError(f"epilogue={epilogue!r} (profiling) needs variant='tma' and a pinned config")
+    row_codes = _empty((tokens, heads, _HEAD * (2 if epilogue == "bf16_store" else 1)), torch.float8_e4m3fn, device)
     row_scale = _empty((tokens, heads, _HEAD // 32), torch.uint8, device)
     col_codes = _empty((tokens, heads, _HEAD), torch.float8_e4m3fn, device)
     col_scale = _empty((tokens // 32, heads, _HEAD), torch.uint8, device)
@@ -570,7 +613,7 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None):
         if config is not None:
             config = {key: v for key, v in config.items() if key != "ROPE_SPLIT"}
             grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
-            _fwd_tma_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
+            _fwd_tma_fixed[grid](*args, **meta, **config, EPILOGUE=EPILOGUE_PARTS[epilogue], enable_fp_fusion=False)
         else:
             grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
             _fwd_tma_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
