@@ -3,6 +3,7 @@
     python tools/profile_cases.py mla_q [--tokens 4096]      # a few fused-op launches, for ncu
     python tools/profile_cases.py host [--tokens 1024]       # where a Triton quantize call's host time goes
     python tools/profile_cases.py mla_q_parts [--tokens 4096,16384]  # the fused op's time by epilogue part
+    python tools/profile_cases.py cudnn_host                 # the cudnn attention wrapper's host time by step
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -86,6 +87,50 @@ def mla_q_parts(token_list) -> None:
                   f"maxnreg {cfg.maxnreg}: " + "  ".join(f"{p} {t:.3f} ({t / gemm:.2f}x)" for p, t in parts.items()))
 
 
+def cudnn_host(calls: int = 200) -> None:
+    """Host microseconds per step of a cudnn forward cache hit (B1 S128 H8 causal): each step alone in
+    a loop of `calls`, best of 5, so the wrapper's share can be cut where it is spent."""
+    from backends.cudnn import _common
+    from backends.cudnn import attention as att
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 128, 8, 192, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 128, 8, 192, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 128, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    o, lse = att.mla_attention(q, k, v, causal=True)
+    key = next(key for key in att._graphs if key[0] == "fwd")
+    entry = att._graphs[key]
+    dev = q.device
+    steps = {
+        "whole call": lambda: att.mla_attention(q, k, v, causal=True),
+        "graph.execute (ordered)": lambda: entry.graph.execute((q, k, v, o, lse), ws, handle=handle, tensor_uids=entry.uids),
+        "torch.empty o": lambda: torch.empty((1, 128, 8, 128), dtype=torch.bfloat16, device=dev),
+        "torch.empty lse": lambda: torch.empty((1, 8, 128), dtype=torch.float32, device=dev),
+        "torch.empty o (device index int)": lambda: torch.empty((1, 128, 8, 128), dtype=torch.bfloat16, device=0),
+        "_seq_lengths x2": lambda: (att._seq_lengths(q, "bshd"), att._seq_lengths(k, "bshd")),
+        "_aligned_all": lambda: att._aligned_all(q, k, v),
+        "key tuple": lambda: ("fwd", "bshd", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), True,
+                              0.07, False, q.get_device()),
+        "_cached hit": lambda: att._cached(key, None),
+        "5 x _bind": lambda: (att._bind(q, "bshd"), att._bind(k, "bshd"), att._bind(v, "bshd"), att._bind(o, "bshd"),
+                              att._bind_stats(lse)),
+        "_common.launch": lambda: _common.launch(dev, entry.workspace),
+        "current_stream_handle": lambda: _common.current_stream_handle(dev),
+        "q.data_ptr() % 16": lambda: q.data_ptr() % 16,
+    }
+    handle, ws = _common.launch(dev, entry.workspace)
+    for name, fn in steps.items():
+        fn()
+        best = float("inf")
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        print(f"{name:36s} {best:7.2f} us")
+
+
 def host(tokens: int, calls: int = 200) -> None:
     import dispatch
     from backends.triton import quantize as tq
@@ -125,13 +170,15 @@ def host(tokens: int, calls: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts"])
+    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_cases: needs a CUDA device")
     if args.case == "mla_q":
         mla_q(int(args.tokens or 4096))
+    elif args.case == "cudnn_host":
+        cudnn_host()
     elif args.case == "mla_q_parts":
         mla_q_parts([int(t) for t in (args.tokens or "4096,16384").split(",")])
     else:

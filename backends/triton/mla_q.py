@@ -475,7 +475,9 @@ def _fwd_configs(mx: bool, tma: bool = False):
     """
     if tma:
         shapes = ((128, 64, 8, 3, True, None), (128, 64, 8, 4, True, None), (128, 32, 8, 4, True, 128),
-                  (128, 64, 8, 2, True, 128), (64, 64, 4, 4, True, None), (64, 32, 4, 4, True, None))
+                  (128, 64, 8, 2, True, 128), (64, 64, 4, 4, True, None), (64, 32, 4, 4, True, None),
+                  (64, 64, 4, 3, True, None), (64, 64, 4, 2, True, None), (64, 32, 4, 6, True, None),
+                  (64, 64, 4, 3, True, 168), (64, 64, 4, 2, True, 128))
         if mx:
             shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, True, None), (64, 64, 4, 4, True, None))
     elif not mx:
