@@ -72,18 +72,23 @@ def mla_q_parts(token_list) -> None:
         chosen = next(iter(tuner.cache.values()), None) if getattr(tuner, "cache", None) else None
         print(f"T={tokens}: cuBLAS bf16 GEMM {gemm:.3f} ms; autotuned fused op {tuned:.3f} ms "
               f"({tuned / gemm:.2f}x); chosen: {chosen}")
-        for cfg in tq._fwd_configs(False, tma=True):
+        picked = os.environ.get("PARTS_CONFIGS")  # indices into the TMA config list, e.g. "1,6,7"
+        parts_wanted = os.environ.get("PARTS", ",".join(tq.EPILOGUE_PARTS)).split(",")
+        configs = tq._fwd_configs(False, tma=True)
+        for i, cfg in enumerate(configs):
+            if picked and str(i) not in picked.split(","):
+                continue
             pinned = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             if cfg.maxnreg:
                 pinned["maxnreg"] = cfg.maxnreg
             parts = {}
-            for part in tq.EPILOGUE_PARTS:
+            for part in parts_wanted:
                 try:
                     parts[part] = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, config=pinned, variant="tma",
                                                                      epilogue=part))
                 except Exception as exc:  # noqa: BLE001 - a config that does not fit is a result
                     print(f"  {cfg}: {part} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-            print(f"  BM{cfg.kwargs['BLOCK_M']} BK{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} "
+            print(f"  [{i}] BM{cfg.kwargs['BLOCK_M']} BK{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} "
                   f"maxnreg {cfg.maxnreg}: " + "  ".join(f"{p} {t:.3f} ({t / gemm:.2f}x)" for p, t in parts.items()))
 
 

@@ -579,8 +579,11 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
     row_scale = _empty((tokens, heads, _HEAD // 32), torch.uint8, device)
     col_codes = _empty((tokens, heads, _HEAD), torch.float8_e4m3fn, device)
     col_scale = _empty((tokens // 32, heads, _HEAD), torch.uint8, device)
-    q_row = MXTensor(row_codes, row_scale, 2, "e4m3", "compact")
-    q_col = MXTensor(col_codes, col_scale, 0, "e4m3", "compact")
+    if epilogue == "full":
+        q_row = MXTensor(row_codes, row_scale, 2, "e4m3", "compact")
+        q_col = MXTensor(col_codes, col_scale, 0, "e4m3", "compact")
+    else:  # profiling: raw buffers (bf16_store's row buffer holds bf16 q, not codes)
+        q_row, q_col = (row_codes, row_scale), (col_codes, col_scale)
     if tokens == 0 or heads == 0 or k == 0:
         if tokens and heads:  # K = 0: q = 0 everywhere
             for t in (row_codes, col_codes, row_scale, col_scale):
