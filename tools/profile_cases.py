@@ -68,6 +68,16 @@ def mla_q_parts(token_list) -> None:
         cos, sin = torch.cos(angle), torch.sin(angle)
         gemm = ms(lambda: torch.matmul(x, w.t()))
         tuned = ms(lambda: dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton"))
+        tma = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="tma"))
+        print(f"T={tokens}: Triton TMA kernel, autotuned {tma:.3f} ms ({tma / gemm:.2f}x)")
+        try:
+            from backends.triton import mla_q_gluon
+
+            for cfg in mla_q_gluon.CONFIGS:
+                t_g = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="gluon", config=cfg))
+                print(f"T={tokens}: Gluon kernel {cfg}: {t_g:.3f} ms ({t_g / gemm:.2f}x)")
+        except Exception as exc:  # noqa: BLE001 - report and go on with the Triton parts
+            print(f"T={tokens}: Gluon kernel failed: {type(exc).__name__}: {str(exc)[:300]}")
         tuner = tq._fwd_tma_tuned[False]
         chosen = next(iter(tuner.cache.values()), None) if getattr(tuner, "cache", None) else None
         print(f"T={tokens}: cuBLAS bf16 GEMM {gemm:.3f} ms; autotuned fused op {tuned:.3f} ms "

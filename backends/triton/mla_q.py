@@ -546,11 +546,31 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
+def gluon_reasons(x, w) -> List[str]:
+    """Why the Gluon sm90 kernel (mla_q_gluon.py) cannot run on these operands; empty when it can."""
+    if isinstance(x, MXTensor) or isinstance(w, MXTensor):
+        return ["the Gluon kernel takes a bf16 projection (MXFP8 x / w run on the Triton kernels)"]
+    if interpret_mode() or x.device.type != "cuda":
+        return ["the Gluon kernel runs on CUDA only (no interpreter)"]
+    try:
+        from . import mla_q_gluon
+    except ImportError as exc:  # a Triton without Gluon's Hopper API
+        return [f"Gluon unavailable in this Triton ({triton.__version__}): {exc}"]
+    return mla_q_gluon.gluon_reasons(x, w)
+
+
 def forward_variant(x, w) -> str:
-    """"tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (tma | pointer | auto, default auto) decides;
-    auto takes TMA on sm90+ when both operands qualify (the interpreter runs either when asked)."""
-    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "tma", "pointer"), "auto")
+    """"gluon", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (gluon | tma | pointer | auto, default
+    auto) decides. auto: the Gluon kernel on sm90 for a bf16 projection it accepts (gluon_reasons), else
+    TMA on sm90+ when both operands qualify, else the pointer kernel (the interpreter runs the Triton
+    kernels when asked). An explicit choice the operands cannot take raises, naming the reasons."""
+    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
+    if choice == "gluon":
+        reasons = gluon_reasons(x, w)
+        if reasons:
+            raise ValueError("MXMLA_TRITON_MLA_Q_VARIANT=gluon: " + "; ".join(reasons))
+        return "gluon"
     ok = _tma_ok(xd) and _tma_ok(wd)
     if choice == "pointer" or not ok:
         return "pointer"
@@ -558,6 +578,8 @@ def forward_variant(x, w) -> str:
         return "tma"
     if interpret_mode() or xd.device.type != "cuda":
         return "pointer"
+    if not gluon_reasons(x, w):
+        return "gluon"
     return "tma" if torch.cuda.get_device_capability(xd.device) >= (9, 0) else "pointer"
 
 
@@ -591,6 +613,15 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
         return q_row, q_col
     variant = variant or forward_variant(x, w)
     cos, sin = _unit_last(cos), _unit_last(sin)
+    if variant == "gluon":
+        reasons = gluon_reasons(x, w)
+        if reasons:
+            raise ValueError("variant='gluon': " + "; ".join(reasons))
+        from . import mla_q_gluon
+
+        mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
+                           col_scale, config=config)
+        return q_row, q_col
     if mx:
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)
         ws, swr, swc, w_groups, w_swz = _scale_args(w)

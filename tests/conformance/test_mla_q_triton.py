@@ -82,6 +82,37 @@ def _pinned(device, block_m, block_k, split, kind):
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, GROUP_M=8, ROPE_SPLIT=split, num_warps=warps, num_stages=3)
 
 
+def _variant_or_skip(device, variant, kind="bf16"):
+    """Skip a "gluon" case where the Gluon kernel does not run (CPU / interpreter, not sm90, MXFP8)."""
+    if variant != "gluon":
+        return
+    if device != "cuda":
+        pytest.skip("the Gluon kernel runs on CUDA only (no interpreter)")
+    if kind != "bf16":
+        pytest.skip("the Gluon kernel takes a bf16 projection")
+    import backends.triton.mla_q as mod
+
+    probe = torch.zeros((64, 64), dtype=torch.bfloat16, device="cuda")
+    reasons = mod.gluon_reasons(probe, probe)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+@pytest.mark.parametrize("shape", [(64, 64, 1), (128, 96, 3), (192, 1536, 4)], ids=lambda s: "T{}K{}H{}".format(*s))
+def test_forward_gluon_exact_bytes(triton_target, mla, shape):
+    # The Gluon sm90 kernel: 64-token tiles, K tails (96 with 64-wide steps), several heads, fp32 and
+    # bf16 tables; every output buffer poisoned.
+    device = triton_target[1]
+    _variant_or_skip(device, "gluon")
+    tokens, k, heads = shape
+    for table in (np.float32, BF16):
+        x, w, cos, sin = _exact_inputs(_seed("fwd-gluon", shape, table.__name__), tokens, k, heads, "bf16", table)
+        want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
+        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
+        _check_mx(got[0], want[0], f"q_row ({table.__name__} tables)")
+        _check_mx(got[1], want[1], f"q_col ({table.__name__} tables)")
+
+
 # (T, K, H, BLOCK_M, BLOCK_K, ROPE_SPLIT): token tails (96 = 64 + 32), K tails (96 with 64-wide steps),
 # 32-row tiles (one columnwise block per program), both RoPE variants.
 _TILES = [
@@ -132,12 +163,13 @@ def test_forward_strided_x(triton_target, mla, layout):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon"])
 def test_forward_nonfinite_inputs(triton_target, mla, variant):
     # Rows of x holding NaN / +Inf / a huge finite value (q overflows to Inf after bf16 staging), a cos
     # entry NaN: NaN and Inf flow through the GEMM, the staging, RoPE (Inf - Inf, Inf * 0) and both
     # quantizations (NaN ignored in amax, Inf blocks -> scale 254, NaN codes 0x7F).
     device = triton_target[1]
+    _variant_or_skip(device, variant)
     rng = _seed("fwd-nonfinite")
     x, w, cos, sin = _exact_inputs(rng, 64, 64, 2, "bf16")
     x = x.astype(np.float32)
@@ -149,16 +181,17 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     cos = cos.copy()
     cos[50, 3] = np.nan
     want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    cfg = _pinned(device, 64, 32, variant == "tma", "bf16")
+    cfg = None if variant == "gluon" else _pinned(device, 64, 32, variant == "tma", "bf16")
     got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), config=cfg, variant=variant)
     _check_mx(got[0], want[0], "q_row")
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon"])
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_forward_random_within_bound(triton_target, mla, kind, variant):
     device = triton_target[1]
+    _variant_or_skip(device, variant, kind)
     rng = _seed("fwd-random", kind)
     tokens, k, heads = (64, 256, 2) if device == "cpu" else (256, 1536, 16)
     x, w = random_operands(rng, tokens, k, heads, mx=kind == "mxfp8", spread=3)

@@ -1,0 +1,268 @@
+"""The fused MLA Q forward (bf16 projection) as a Gluon kernel for sm90: the same arithmetic as
+`_mla_q_fwd_tma_kernel` in mla_q.py, with the epilogue's data movement chosen by hand.
+
+Why a second kernel: on the H200 the Triton kernel's main loop alone runs at 1.25-1.3x the cuBLAS
+GEMM, and its epilogue adds as much again (tools/profile_cases.py mla_q_parts, BENCHMARKS.md). The
+epilogue keeps q in the wgmma accumulator layout, where a 32-token column block spans 8 lanes and two
+warps (shuffle trees plus a shared-memory round per block) and a 32-feature row block spans 4 lanes;
+ncu shows the SM stalled on barriers 42 % of the time. Here each quantization reads the bf16-staged
+tile back from shared memory in a layout where its blocks are thread-local:
+
+- rowwise (32 features of one token): BlockedLayout size_per_thread [1, 32]; the amax, the scale
+  byte and the 32 codes of a block live in one thread, no shuffles;
+- columnwise (32 tokens of one feature): BlockedLayout size_per_thread [32, 2]; likewise;
+- RoPE: each thread reads a whole 64-wide RoPE row (interleaved pairs), computes left and right in
+  registers (fp32, no FMA: launched with enable_fp_fusion=False), quantizes both rowwise in place and
+  writes the fp32 results to shared memory for their columnwise pass;
+- codes leave through shared memory and TMA stores (four boxes per tile), scales by plain stores.
+
+Tile: 64 tokens x one head (192 features) per program, one warpgroup (4 warps); the main loop is a
+STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step). ~100 KB of
+shared memory and <= 255 registers, so two programs share an SM and one's epilogue overlaps the
+other's main loop.
+
+Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
+sm90 (wgmma). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
+with spec and with the other variants.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 64
+NUM_WARPS = 4
+_HEAD, _NOPE, _ROPE = 192, 128, 64
+
+# fp32 bit patterns (the same constants as _mxfp8.py; SEMANTICS 1.1 / 1.4)
+_ABS = gl.constexpr(0x7FFFFFFF)
+_INF = gl.constexpr(0x7F800000)
+_MANT = gl.constexpr(0x007FFFFF)
+_HALF_SUBNORMAL = gl.constexpr(0x00400000)
+_INV_448 = gl.constexpr(0x3B124925)
+
+
+@gluon.jit
+def _scale_byte(amax):
+    """E8M0 byte (int32) of an e4m3 block, rceil (SEMANTICS 1.1; _mxfp8.rceil_scale_from_amax_bits):
+    amax is the NaN-ignoring max of |v| (an all-NaN block reduced to NaN counts as 0)."""
+    amax = gl.where(amax == amax, amax, 0.0)
+    r = gl.full(amax.shape, _INV_448, gl.int32, amax.type.layout).to(gl.float32, bitcast=True)
+    p = (amax * r).to(gl.int32, bitcast=True) & _ABS
+    e = (gl.minimum(p, 0x7F000000) + _MANT) >> 23
+    e = gl.where(p <= _HALF_SUBNORMAL, 0, e)
+    return gl.where(p > _INF, 255, e)
+
+
+@gluon.jit
+def _multiplier(e):
+    """fp32 2^(127 - e), the factor codes are computed with (_mxfp8.scale_multiplier)."""
+    bits = gl.where(e <= 253, (254 - e) << 23, _HALF_SUBNORMAL)
+    bits = gl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _codes(v, e_expanded):
+    """e4m3 codes (uint8) of v * 2^(127 - e): the hardware cvt.rn.satfinite saturates and maps the
+    canonical NaN of the product to 0x7F (see _mxfp8.encode_e4m3_arith)."""
+    return (v * _multiplier(e_expanded)).to(gl.float8e4nv).to(gl.uint8, bitcast=True)
+
+
+@gluon.jit
+def _mla_q_fwd_gluon_kernel(
+    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
+    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
+    T, K, H, stride_cos, stride_sin,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+):
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    HALF: gl.constexpr = 32
+    HEAD: gl.constexpr = 192
+
+    # grouped order: GROUP_M token tiles per head run together (the head's w stays in L2)
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(T, BM)
+    per_group = GROUP_M * H
+    first_m = (pid // per_group) * GROUP_M
+    group_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    head = (pid % per_group) // group_m
+    m0 = pid_m * BM
+    n0 = head * HEAD
+
+    # ---- main loop: TMA ring + async wgmma ----
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BLOCK_K], x_desc.layout)
+    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
+    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+    nbytes: gl.constexpr = (BM + NOPE + ROPE) * BLOCK_K * 2
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for j in gl.static_range(STAGES - 1):
+        pred = j < k_steps
+        mbarrier.expect(ready.index(j), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
+        tma.async_copy_global_to_shared(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
+        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
+                                        pred=pred)
+
+    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
+    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
+    acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
+    acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
+    for i in range(k_steps):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc_nope = warpgroup_mma(x_ring.index(s), wn_ring.index(s).permute((1, 0)), acc_nope, is_async=True)
+        acc_rope = warpgroup_mma(x_ring.index(s), wr_ring.index(s).permute((1, 0)), acc_rope, is_async=True)
+        # leaves step i's two MMAs in flight: step i - 1's slot is free for the load STAGES - 1 ahead
+        acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=2, deps=(acc_nope, acc_rope))
+        nxt = i + STAGES - 1
+        pred = nxt < k_steps
+        ns = nxt % STAGES
+        mbarrier.expect(ready.index(ns), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
+        tma.async_copy_global_to_shared(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
+        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
+                                        pred=pred)
+    acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+
+    # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], plain)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], plain)
+    nope_smem.store(acc_nope.to(gl.bfloat16))
+    rope_smem.store(acc_rope.to(gl.bfloat16))
+    row_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout)
+    row_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout)
+    col_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout)
+    col_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout)
+    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], plain)
+    gl.thread_barrier()
+
+    # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
+    pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
+    half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
+    staged = rope_smem.reshape([BM, HALF, 2]).load(pairs_l).to(gl.float32)
+    even, odd = gl.split(staged)
+    rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
+    k_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, half_l))
+    cs_rows = rows_h.to(gl.int64)[:, None]
+    cos_l = gl.load(cos_ptr + cs_rows * stride_cos + k_h[None, :]).to(gl.float32)
+    cos_r = gl.load(cos_ptr + cs_rows * stride_cos + (HALF + k_h)[None, :]).to(gl.float32)
+    sin_l = gl.load(sin_ptr + cs_rows * stride_sin + k_h[None, :]).to(gl.float32)
+    sin_r = gl.load(sin_ptr + cs_rows * stride_sin + (HALF + k_h)[None, :]).to(gl.float32)
+    left = even * cos_l - odd * sin_l
+    right = odd * cos_r + even * sin_r
+    rope_f32.slice(0, HALF, dim=1).store(left)
+    rope_f32.slice(HALF, HALF, dim=1).store(right)
+    # rowwise blocks 4 (left) and 5 (right): thread-local
+    e_l = _scale_byte(gl.max(gl.abs(left), axis=1))
+    e_r = _scale_byte(gl.max(gl.abs(right), axis=1))
+    row_rope.slice(0, HALF, dim=1).store(_codes(left, e_l[:, None]))
+    row_rope.slice(HALF, HALF, dim=1).store(_codes(right, e_r[:, None]))
+    rs_ptrs = row_scale_ptr + rows_h.to(gl.int64) * (H * 6) + head * 6
+    gl.store(rs_ptrs + 4, e_l.to(gl.uint8))
+    gl.store(rs_ptrs + 5, e_r.to(gl.uint8))
+
+    # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
+    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+    v = nope_smem.reshape([BM, 4, 32]).load(row_l).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=2))
+    row_nope.reshape([BM, 4, 32]).store(_codes(v, e[:, :, None]))
+    e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
+    rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
+    blk_e = gl.arange(0, 4, layout=gl.SliceLayout(0, e_layout))
+    gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (H * 6) + head * 6)[:, None] + blk_e[None, :], e.to(gl.uint8))
+
+    gl.thread_barrier()  # rope_f32 written by the RoPE rows, read by columns below
+
+    # columnwise: [2 blocks of 32 tokens, 32, features], one block per thread-column
+    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 2], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
+    blocks = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
+    feats = gl.arange(0, NOPE, layout=gl.SliceLayout(0, ce_layout))
+    cs_base = col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0
+    v = nope_smem.reshape([2, 32, NOPE]).load(col_l).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_nope.reshape([2, 32, NOPE]).store(_codes(v, e[:, None, :]))
+    gl.store(cs_base + feats[None, :], e.to(gl.uint8))
+
+    colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    cre_layout: gl.constexpr = gl.SliceLayout(1, colr_l)
+    blocks_r = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, cre_layout))
+    feats_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, cre_layout))
+    v = rope_f32.reshape([2, 32, ROPE]).load(colr_l)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_rope.reshape([2, 32, ROPE]).store(_codes(v, e[:, None, :]))
+    gl.store(col_scale_ptr + blocks_r.to(gl.int64)[:, None] * (H * HEAD) + (n0 + NOPE) + feats_r[None, :],
+             e.to(gl.uint8))
+
+    # codes out: four TMA boxes
+    fence_async_shared()
+    tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
+    tma.async_copy_shared_to_global(row_rope_desc, [m0, n0 + NOPE], row_rope)
+    tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
+    tma.async_copy_shared_to_global(col_rope_desc, [m0, n0 + NOPE], col_rope)
+    tma.store_wait(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------------
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=8), dict(BLOCK_K=64, STAGES=2, GROUP_M=8))
+
+
+def gluon_reasons(x, w) -> list:
+    """Why the Gluon kernel cannot run these operands (empty: it can)."""
+    reasons = []
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return ["x and w must be bf16 tensors (the MXFP8 projection runs on the Triton kernels)"]
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
+        reasons.append("needs an sm90 GPU (wgmma)")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        reasons.append("x and w must be bf16")
+    if x.shape[0] % BLOCK_M:
+        reasons.append(f"tokens must be a multiple of {BLOCK_M}, got {x.shape[0]}")
+    for name, t in (("x", x), ("w", w)):
+        if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * 2) % 16:
+            reasons.append(f"{name} must be 2-D with unit last stride, 16-byte aligned base and rows (TMA)")
+    return reasons
+
+
+def _desc(t, block):
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.uint8
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None):
+    """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
+    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]."""
+    cfg = dict(CONFIGS[0] if config is None else config)
+    if set(cfg) != set(CONFIGS[0]):
+        raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
+    tokens, k = x.shape
+    heads = w.shape[0] // _HEAD
+    bk = cfg["BLOCK_K"]
+    rc2 = row_codes.view(tokens, heads * _HEAD)
+    cc2 = col_codes.view(tokens, heads * _HEAD)
+    grid = (triton.cdiv(tokens, BLOCK_M) * heads,)
+    _mla_q_fwd_gluon_kernel[grid](
+        _desc(x, [BLOCK_M, bk]), _desc(w, [_NOPE, bk]), _desc(w, [_ROPE, bk]), cos, sin,
+        _desc(rc2, [BLOCK_M, _NOPE]), _desc(rc2, [BLOCK_M, _ROPE]), _desc(cc2, [BLOCK_M, _NOPE]),
+        _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
+        tokens, k, heads, cos.stride(0), sin.stride(0),
+        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+        num_warps=NUM_WARPS, enable_fp_fusion=False)
