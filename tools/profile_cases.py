@@ -73,9 +73,16 @@ def mla_q_parts(token_list) -> None:
         try:
             from backends.triton import mla_q_gluon
 
+            heads = w.shape[0] // 192
+            outs = (torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
+                    torch.empty(tokens, heads, 6, dtype=torch.uint8, device="cuda"),
+                    torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
+                    torch.empty(tokens // 32, heads, 192, dtype=torch.uint8, device="cuda"))
             for cfg in mla_q_gluon.CONFIGS:
                 t_g = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="gluon", config=cfg))
-                print(f"T={tokens}: Gluon kernel {cfg}: {t_g:.3f} ms ({t_g / gemm:.2f}x)")
+                t_m = ms(lambda: mla_q_gluon.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
+                print(f"T={tokens}: Gluon kernel {cfg}: {t_g:.3f} ms ({t_g / gemm:.2f}x); "
+                      f"its main loop alone {t_m:.3f} ms ({t_m / gemm:.2f}x)")
         except Exception as exc:  # noqa: BLE001 - report and go on with the Triton parts
             print(f"T={tokens}: Gluon kernel failed: {type(exc).__name__}: {str(exc)[:300]}")
         tuner = tq._fwd_tma_tuned[False]

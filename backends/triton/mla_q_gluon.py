@@ -79,7 +79,7 @@ def _mla_q_fwd_gluon_kernel(
     x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
     row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
     T, K, H, stride_cos, stride_sin,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MAINLOOP_ONLY: gl.constexpr = False,
 ):
     BM: gl.constexpr = 64
     NOPE: gl.constexpr = 128
@@ -138,24 +138,35 @@ def _mla_q_fwd_gluon_kernel(
     for j in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(j))
 
+    if MAINLOOP_ONLY:  # profiling: the main loop alone (a store no launch takes keeps the MMAs alive)
+        if T < 0:
+            sink = gl.sum(acc_nope, axis=1) + gl.sum(gl.convert_layout(acc_rope, mma_nope, assert_trivial=False), axis=1)
+            gl.store(row_scale_ptr.to(gl.pointer_type(gl.float32)) + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_nope)),
+                     sink)
+        return
+
     # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
-    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], plain)
-    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], plain)
+    # shared layouts picked with gl.bank_conflicts for every store / load below (all 0 but the rowwise
+    # load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 RoPE tile in 16-byte vectors
+    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16)
     nope_smem.store(acc_nope.to(gl.bfloat16))
     rope_smem.store(acc_rope.to(gl.bfloat16))
     row_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout)
     row_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout)
     col_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout)
     col_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout)
-    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], plain)
+    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32)
     gl.thread_barrier()
 
     # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
+    pairs2d: gl.constexpr = gl.BlockedLayout([1, ROPE], [32, 1], [4, 1], [1, 0])
     pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
-    staged = rope_smem.reshape([BM, HALF, 2]).load(pairs_l).to(gl.float32)
-    even, odd = gl.split(staged)
+    staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
+    even, odd = gl.split(staged.to(gl.float32))
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
     k_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, half_l))
     cs_rows = rows_h.to(gl.int64)[:, None]
@@ -177,10 +188,11 @@ def _mla_q_fwd_gluon_kernel(
     gl.store(rs_ptrs + 5, e_r.to(gl.uint8))
 
     # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
+    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-    v = nope_smem.reshape([BM, 4, 32]).load(row_l).to(gl.float32)
+    v = gl.convert_layout(gl.reshape(nope_smem.load(row2d), [BM, 4, 32]), row_l, assert_trivial=True).to(gl.float32)
     e = _scale_byte(gl.max(gl.abs(v), axis=2))
-    row_nope.reshape([BM, 4, 32]).store(_codes(v, e[:, :, None]))
+    row_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, NOPE]), row2d, assert_trivial=True))
     e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
     rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
     blk_e = gl.arange(0, 4, layout=gl.SliceLayout(0, e_layout))
@@ -189,23 +201,24 @@ def _mla_q_fwd_gluon_kernel(
     gl.thread_barrier()  # rope_f32 written by the RoPE rows, read by columns below
 
     # columnwise: [2 blocks of 32 tokens, 32, features], one block per thread-column
+    col2d: gl.constexpr = gl.BlockedLayout([32, 2], [1, 32], [2, 2], [1, 0])
     col_l: gl.constexpr = gl.BlockedLayout([1, 32, 2], [1, 1, 32], [2, 1, 2], [2, 1, 0])
     ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
     blocks = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
     feats = gl.arange(0, NOPE, layout=gl.SliceLayout(0, ce_layout))
-    cs_base = col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0
-    v = nope_smem.reshape([2, 32, NOPE]).load(col_l).to(gl.float32)
+    v = gl.convert_layout(gl.reshape(nope_smem.load(col2d), [2, 32, NOPE]), col_l, assert_trivial=True).to(gl.float32)
     e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_nope.reshape([2, 32, NOPE]).store(_codes(v, e[:, None, :]))
-    gl.store(cs_base + feats[None, :], e.to(gl.uint8))
+    col_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, NOPE]), col2d, assert_trivial=True))
+    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0 + feats[None, :], e.to(gl.uint8))
 
+    colr2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
     colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
     cre_layout: gl.constexpr = gl.SliceLayout(1, colr_l)
     blocks_r = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, cre_layout))
     feats_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, cre_layout))
-    v = rope_f32.reshape([2, 32, ROPE]).load(colr_l)
+    v = gl.convert_layout(gl.reshape(rope_f32.load(colr2d), [2, 32, ROPE]), colr_l, assert_trivial=True)
     e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_rope.reshape([2, 32, ROPE]).store(_codes(v, e[:, None, :]))
+    col_rope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, ROPE]), colr2d, assert_trivial=True))
     gl.store(col_scale_ptr + blocks_r.to(gl.int64)[:, None] * (H * HEAD) + (n0 + NOPE) + feats_r[None, :],
              e.to(gl.uint8))
 
@@ -247,7 +260,7 @@ def _desc(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None):
+def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
     [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]."""
     cfg = dict(CONFIGS[0] if config is None else config)
@@ -264,5 +277,5 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
         _desc(rc2, [BLOCK_M, _NOPE]), _desc(rc2, [BLOCK_M, _ROPE]), _desc(cc2, [BLOCK_M, _NOPE]),
         _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
         tokens, k, heads, cos.stride(0), sin.stride(0),
-        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], MAINLOOP_ONLY=mainloop_only,
         num_warps=NUM_WARPS, enable_fp_fusion=False)
