@@ -1,5 +1,5 @@
 """Fused MLA Q up-projection + RoPE + dual MXFP8 quantize (DeepSeek-V3: x [T, 1536] bf16, w [128*192, 1536]
-bf16, cos/sin [T, 64]): triton (TMA and pointer kernels, each autotuned) vs the bf16 GEMM alone
+bf16, cos/sin [T, 64]): triton (the Gluon sm90 kernel, and the TMA and pointer kernels, each autotuned) vs the bf16 GEMM alone
 (torch.matmul, cuBLAS) vs the unfused chain in torch eager and under torch.compile
 (torch.matmul -> backends.torch.rope -> backends.torch.quantize along (-1, 0)). Also the 16-bit
 backward (triton pre-pass + cuBLAS GEMMs vs the torch eager composition) and, with --mx, the MXFP8
@@ -122,15 +122,21 @@ def measure(tokens, K, H):
                            flops=flops, bytes=fwd_bytes, **common, **kw)
 
         ref = None
-        for variant in ("tma", "pointer"):
+        for variant in ("gluon", "tma", "pointer"):
+            if variant == "gluon" and triton_mla_q.gluon_reasons(x, w):
+                REC.note(f"triton fwd [gluon] {shape}: not run ({'; '.join(triton_mla_q.gluon_reasons(x, w))})")
+                continue
             if variant == "tma" and (DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0)):
                 if not ARGS.smoke:
                     continue
             fn = lambda v=variant: triton_mla_q.mla_q_forward_launch(x, w, cos, sin, variant=v)  # noqa: E731
             secs = first_call_s(fn)
-            tuner = triton_mla_q._fwd_tma_tuned[False] if variant == "tma" else triton_mla_q._fwd_tuned[False]
-            REC.note(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile + autotune); "
-                     f"pick {best_config(tuner)}")
+            if variant == "gluon":
+                REC.note(f"triton fwd [gluon] {shape}: first call {secs:.2f} s (compile; fixed config)")
+            else:
+                tuner = triton_mla_q._fwd_tma_tuned[False] if variant == "tma" else triton_mla_q._fwd_tuned[False]
+                REC.note(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile + autotune); "
+                         f"pick {best_config(tuner)}")
             out = fn()
             if ref is None:
                 ref = out

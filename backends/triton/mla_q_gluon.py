@@ -234,7 +234,9 @@ def _mla_q_fwd_gluon_kernel(
 # --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
-CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=8), dict(BLOCK_K=64, STAGES=2, GROUP_M=8))
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=8), dict(BLOCK_K=64, STAGES=2, GROUP_M=8),
+           dict(BLOCK_K=32, STAGES=6, GROUP_M=8), dict(BLOCK_K=64, STAGES=3, GROUP_M=16),
+           dict(BLOCK_K=64, STAGES=3, GROUP_M=4))
 
 
 def gluon_reasons(x, w) -> list:
