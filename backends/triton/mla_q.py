@@ -487,7 +487,7 @@ def _fwd_configs(mx: bool, tma: bool = False):
         shapes = ((128, 32, 8, 6, True, None), (128, 64, 8, 4, False, None), (64, 64, 4, 4, False, None))
     cfgs = []
     for bm, bk, warps, stages, split, maxnreg in shapes:
-        meta = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 16 if bm == 128 else 8}
+        meta = {"BLOCK_M": bm, "BLOCK_K": bk, "GROUP_M": 16 if bm == 128 or tma else 8}
         if not tma:
             meta["ROPE_SPLIT"] = split
         cfgs.append(triton.Config(meta, num_warps=warps, num_stages=stages, maxnreg=maxnreg,

@@ -234,9 +234,8 @@ def _mla_q_fwd_gluon_kernel(
 # --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
-CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=8), dict(BLOCK_K=64, STAGES=2, GROUP_M=8),
-           dict(BLOCK_K=32, STAGES=6, GROUP_M=8), dict(BLOCK_K=64, STAGES=3, GROUP_M=16),
-           dict(BLOCK_K=64, STAGES=3, GROUP_M=4))
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=64, STAGES=3, GROUP_M=32),
+           dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=2, GROUP_M=32))
 
 
 def gluon_reasons(x, w) -> list:
