@@ -14,7 +14,9 @@ tile back from shared memory in a layout where its blocks are thread-local:
 - RoPE: each thread reads a whole 64-wide RoPE row (interleaved pairs), computes left and right in
   registers (fp32, no FMA: launched with enable_fp_fusion=False), quantizes both rowwise in place and
   writes the fp32 results to shared memory for their columnwise pass;
-- codes leave through shared memory and TMA stores (four boxes per tile), scales by plain stores.
+- codes leave through shared memory and TMA stores (four boxes per tile, the no-RoPE two before the
+  RoPE work), scales by plain stores; cos / sin loads are issued before the no-RoPE quantization so
+  their latency runs under it.
 
 Tile: 64 tokens x one head (192 features) per program, one warpgroup (4 warps); the main loop is a
 STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step). ~100 KB of
@@ -161,12 +163,10 @@ def _mla_q_fwd_gluon_kernel(
     rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32)
     gl.thread_barrier()
 
-    # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
+    # cos / sin first: their global-load latency runs under the no-RoPE quantization below
     pairs2d: gl.constexpr = gl.BlockedLayout([1, ROPE], [32, 1], [4, 1], [1, 0])
     pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
-    staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
-    even, odd = gl.split(staged.to(gl.float32))
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
     k_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, half_l))
     cs_rows = rows_h.to(gl.int64)[:, None]
@@ -174,6 +174,35 @@ def _mla_q_fwd_gluon_kernel(
     cos_r = gl.load(cos_ptr + cs_rows * stride_cos + (HALF + k_h)[None, :]).to(gl.float32)
     sin_l = gl.load(sin_ptr + cs_rows * stride_sin + k_h[None, :]).to(gl.float32)
     sin_r = gl.load(sin_ptr + cs_rows * stride_sin + (HALF + k_h)[None, :]).to(gl.float32)
+    # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
+    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
+    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
+    v = gl.convert_layout(gl.reshape(nope_smem.load(row2d), [BM, 4, 32]), row_l, assert_trivial=True).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=2))
+    row_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, NOPE]), row2d, assert_trivial=True))
+    e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
+    rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
+    blk_e = gl.arange(0, 4, layout=gl.SliceLayout(0, e_layout))
+    gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (H * 6) + head * 6)[:, None] + blk_e[None, :], e.to(gl.uint8))
+
+    # columnwise: [2 blocks of 32 tokens, 32, features], one block per thread-column
+    col2d: gl.constexpr = gl.BlockedLayout([32, 2], [1, 32], [2, 2], [1, 0])
+    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 2], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
+    blocks = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
+    feats = gl.arange(0, NOPE, layout=gl.SliceLayout(0, ce_layout))
+    v = gl.convert_layout(gl.reshape(nope_smem.load(col2d), [2, 32, NOPE]), col_l, assert_trivial=True).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, NOPE]), col2d, assert_trivial=True))
+    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0 + feats[None, :], e.to(gl.uint8))
+    # the no-RoPE codes leave now (two TMA boxes), under the RoPE work below
+    fence_async_shared()
+    tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
+    tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
+
+    # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
+    staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
+    even, odd = gl.split(staged.to(gl.float32))
     left = even * cos_l - odd * sin_l
     right = odd * cos_r + even * sin_r
     rope_f32.slice(0, HALF, dim=1).store(left)
@@ -187,29 +216,7 @@ def _mla_q_fwd_gluon_kernel(
     gl.store(rs_ptrs + 4, e_l.to(gl.uint8))
     gl.store(rs_ptrs + 5, e_r.to(gl.uint8))
 
-    # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
-    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
-    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
-    v = gl.convert_layout(gl.reshape(nope_smem.load(row2d), [BM, 4, 32]), row_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=2))
-    row_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, NOPE]), row2d, assert_trivial=True))
-    e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
-    rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
-    blk_e = gl.arange(0, 4, layout=gl.SliceLayout(0, e_layout))
-    gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (H * 6) + head * 6)[:, None] + blk_e[None, :], e.to(gl.uint8))
-
     gl.thread_barrier()  # rope_f32 written by the RoPE rows, read by columns below
-
-    # columnwise: [2 blocks of 32 tokens, 32, features], one block per thread-column
-    col2d: gl.constexpr = gl.BlockedLayout([32, 2], [1, 32], [2, 2], [1, 0])
-    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 2], [1, 1, 32], [2, 1, 2], [2, 1, 0])
-    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
-    blocks = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
-    feats = gl.arange(0, NOPE, layout=gl.SliceLayout(0, ce_layout))
-    v = gl.convert_layout(gl.reshape(nope_smem.load(col2d), [2, 32, NOPE]), col_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, NOPE]), col2d, assert_trivial=True))
-    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0 + feats[None, :], e.to(gl.uint8))
 
     colr2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
     colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
@@ -222,11 +229,8 @@ def _mla_q_fwd_gluon_kernel(
     gl.store(col_scale_ptr + blocks_r.to(gl.int64)[:, None] * (H * HEAD) + (n0 + NOPE) + feats_r[None, :],
              e.to(gl.uint8))
 
-    # codes out: four TMA boxes
     fence_async_shared()
-    tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
     tma.async_copy_shared_to_global(row_rope_desc, [m0, n0 + NOPE], row_rope)
-    tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
     tma.async_copy_shared_to_global(col_rope_desc, [m0, n0 + NOPE], col_rope)
     tma.store_wait(0)
 
@@ -234,8 +238,9 @@ def _mla_q_fwd_gluon_kernel(
 # --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
-CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=64, STAGES=3, GROUP_M=32),
-           dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=2, GROUP_M=32))
+# H200 (tools/profile_cases.py mla_q_parts): GROUP_M 64 > 32 > 16 > 8 (main loop 1.10-1.13x cuBLAS at 64,
+# 1.33x at 8: the group's x tiles stay in L2 while 64 / 2 heads' w stream); 3 stages > 2.
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
 
 
 def gluon_reasons(x, w) -> list:
