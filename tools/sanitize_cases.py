@@ -30,6 +30,13 @@ def cases():
         "rope_backward", randn(T, H, 192), cos, sin, layout="thd", backend="triton")
     yield "mla_q_uproj_rope_quant", lambda: dispatch.run(
         "mla_q_uproj_rope_quant", randn(T, 256), randn(H * 192, 256), cos, sin, backend="triton")
+    from backends.triton import mla_q as triton_mla_q
+
+    x128, w128 = randn(128, 256), randn(H * 192, 256)
+    cos128, sin128 = randn(128, 64, dtype=torch.float32), randn(128, 64, dtype=torch.float32)
+    if not triton_mla_q.gluon_reasons(x128, w128):
+        yield "mla_q_uproj_rope_quant (Gluon sm90 kernel)", lambda: triton_mla_q.mla_q_forward_launch(
+            x128, w128, cos128, sin128, variant="gluon")
     q, k, v = randn(1, 80, 2, 192), randn(1, 80, 2, 192), randn(1, 80, 2, 128)
     yield "mla_attention causal", lambda: dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
 
