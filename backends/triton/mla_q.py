@@ -2,10 +2,13 @@
 spec/mla_q.py).
 
 Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
-- Two kernels with the same arithmetic: `_mla_q_fwd_tma_kernel` (default on sm90 when x and w are
+- On sm90 with a bf16 projection and T % 64 == 0 the default is the Gluon kernel of mla_q_gluon.py
+  (same arithmetic, epilogue blocks made thread-local through shared-memory layouts; 1.63x the cuBLAS
+  GEMM on the H200 where the kernels below take 1.70-2.1x). Otherwise one of two Triton kernels with
+  the same arithmetic: `_mla_q_fwd_tma_kernel` (default on sm90 when x and w are
   TMA-addressable: x [BM, BK], the head's no-RoPE rows [128, BK] and RoPE rows [64, BK] as TMA boxes,
   zero-filled past T and K) and `_mla_q_fwd_kernel` (cp.async pointer loads; any strides; also sm80/89).
-  MXMLA_TRITON_MLA_Q_VARIANT=tma|pointer forces one.
+  MXMLA_TRITON_MLA_Q_VARIANT=gluon|tma|pointer forces one.
 - Program = BLOCK_M tokens x one head (192 output features of w's rows head*192 .. head*192+191), in
   grouped order (GROUP_M token tiles per head run together: the head's 576 KB of w and a few x tiles
   stay in L2). BLOCK_M is a multiple of 32, so every columnwise block (32 tokens of one feature) lies
@@ -46,17 +49,12 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   v * s_inv, which NVIDIA arithmetic returns as the canonical positive NaN, so it encodes to 0x7F
   without a select) on CUDA (HW_CVT), and the integer-bit versions under the interpreter, whose
   conversions are wrong; the two agree bit for bit.
-- Cost, from offline sm90 compiles (Triton 3.9 + ptxas, 128 x 192 tile, 8 warps): the main loop is
-  ~100 SASS instructions per warp per 64-wide K step against 768 tensor-core cycles; the epilogue is
-  ~3000 instructions per thread (cross-lane / cross-warp amax reductions ~700, conversions, per-block
-  scale bytes, byte stores through shared memory), ~6k issue cycles against ~18k cycles of main loop
-  per tile. With one CTA per SM it runs while the tensor cores idle (~+30%); the maxnreg=128 configs
-  (<= 82 KB shared memory) put two CTAs on an SM so one tile's epilogue overlaps the other's main
-  loop (the main loop keeps its 96 accumulator registers; only the epilogue spills ~0.5 KB/thread).
-  Measured on the H200 (2026-11-30, BENCHMARKS.md): 2.0-2.2x the bf16 cuBLAS GEMM time for T = 1K-32K,
-  not the 1.15-1.4x this estimate expected. The autotuner picked 128 x 64, 8 warps, 4 stages (one
-  CTA per SM) from T = 8192 on and 64 x 32, 4 warps (several CTAs per SM) below; both land at ~2x, so
-  more overlap alone does not explain the gap. Next: Nsight Compute on it (tools/gpu_profile.sh).
+- Cost (H200, tools/profile_cases.py mla_q_parts; BENCHMARKS.md): the epilogue is latency-bound in
+  these kernels -- in the wgmma accumulator layout a 32-token column block spans 8 lanes and 2 warps,
+  so each block is a shuffle tree and a shared-memory round behind barriers (ncu: 42 % of issue gaps
+  at barriers, 28.7 % issue slots busy with one 8-warp CTA per SM). Measured at T = 16384: main loop
+  alone 1.25-1.3x cuBLAS, each quantization +0.6-0.8 ms. 64-token tiles with 3 stages (98 KB shared)
+  put two CTAs on an SM and win the autotune (1.70-1.76x); GROUP_M 16 keeps a group's x tiles in L2.
 - Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
   of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
   moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
