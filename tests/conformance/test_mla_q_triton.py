@@ -298,3 +298,25 @@ def test_backward_odd_shapes_exact_bytes(triton_target, mla, kind, quantize_grad
     got = mla.mla_q_backward_launch(*_dev((dq, *args, cos, sin), device), quantize_grad)
     assert_bytes_equal(got[0], want[0], "dx")
     assert_bytes_equal(got[1], want[1], "dw")
+
+
+def test_gluon_variant_selection_off_gpu(monkeypatch):
+    # Off an sm90 GPU the Gluon kernel is never chosen by auto, and asking for it by name raises with the
+    # reasons instead of silently running another kernel; an MXFP8 projection names its own reason.
+    import backends.triton.mla_q as mod
+
+    x = torch.zeros((64, 64), dtype=torch.bfloat16)
+    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
+    assert mod.forward_variant(x, x) == "pointer"
+    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluon")
+    with pytest.raises(ValueError, match="MXMLA_TRITON_MLA_Q_VARIANT=gluon: .*CUDA only"):
+        mod.forward_variant(x, x)
+    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluonn")
+    with pytest.raises(ValueError, match="expected one of auto, gluon, tma, pointer"):
+        mod.forward_variant(x, x)
+    xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
+                  "compact")
+    assert "bf16 projection" in mod.gluon_reasons(xm, xm)[0]
+    with pytest.raises(ValueError, match="variant='gluon'"):
+        mod.mla_q_forward_launch(x, torch.zeros((192, 64), dtype=torch.bfloat16), torch.zeros((64, 64)),
+                                 torch.zeros((64, 64)), variant="gluon")
