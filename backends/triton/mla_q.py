@@ -55,6 +55,9 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   at barriers, 28.7 % issue slots busy with one 8-warp CTA per SM). Measured at T = 16384: main loop
   alone 1.25-1.3x cuBLAS, each quantization +0.6-0.8 ms. 64-token tiles with 3 stages (98 KB shared)
   put two CTAs on an SM and win the autotune (1.70-1.76x); GROUP_M 16 keeps a group's x tiles in L2.
+  With Triton 3.6 the 128-token tiles also draw ptxas warning C7514 (wgmma serialized: non-wgmma
+  instructions read accumulator registers inside the pipeline), which the 64-token tiles and the
+  Gluon kernel do not.
 - Exactness: byte-equal to spec whenever the GEMM's fp32 sums are exact (small integers times powers
   of two); on random inputs the tensor-core summation order differs from the spec's exact sum, which
   moves acc by an fp32 ulp or so; after bf16 staging that rarely changes anything (bounded in
