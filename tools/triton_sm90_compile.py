@@ -95,6 +95,35 @@ def main():
     for i, cfg in enumerate(G._sm90_configs()):
         t = {"a_ptr":"*fp8e4nv","a_scale_ptr":"*u8","b_ptr":"*fp8e5","b_scale_ptr":"*u8","c_ptr":"*fp32"}
         compile_sm90(G._mxfp8_gemm_kernel, t, dict(cfg.kwargs, A_SWIZZLED=False, B_SWIZZLED=True, OUT_DTYPE=tl.float32, EVEN_K=True, WIDEN_F16=True, stride_ak=1, stride_bk=1, stride_as_col=1, stride_cn=1), cfg.num_warps, cfg.num_stages, f"gptr_{i}", div16=["K","N","stride_am","stride_bn","stride_cm","stride_as_row"])
+    # the Gluon fused forward (only with the Triton release it was written for)
+    import backends.triton.mla_q_gluon as QG
+    if triton.__version__.startswith(QG.VERIFIED_TRITON):
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonASTSource
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from triton.runtime.jit import mangle_type
+        import torch
+        for i, cfg in enumerate(QG.CONFIGS):
+            bk = cfg["BLOCK_K"]
+            blocks = {"x_desc": (torch.bfloat16, [64, bk]), "wn_desc": (torch.bfloat16, [128, bk]),
+                      "wr_desc": (torch.bfloat16, [64, bk]), "row_nope_desc": (torch.uint8, [64, 128]),
+                      "row_rope_desc": (torch.uint8, [64, 64]), "col_nope_desc": (torch.uint8, [64, 128]),
+                      "col_rope_desc": (torch.uint8, [64, 64])}
+            types = {n: mangle_type(TensorDescriptor(torch.empty(256, 256, dtype=dt), [256, 256], [256, 1], b,
+                                                     gl.NVMMASharedLayout.get_default_for(b, gl.bfloat16 if dt == torch.bfloat16 else gl.uint8)))
+                     for n, (dt, b) in blocks.items()}
+            types.update(cos_ptr="*fp32", sin_ptr="*fp32", row_scale_ptr="*u8", col_scale_ptr="*u8")
+            fn = QG._mla_q_fwd_gluon_kernel
+            names = fn.arg_names
+            sig = {n: "constexpr" if n in cfg else types.get(n, "i32") for n in names}
+            attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+                     if n in ("cos_ptr", "sin_ptr", "row_scale_ptr", "col_scale_ptr", "T", "K", "stride_cos", "stride_sin")}
+            src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cfg.items()}, attrs=attrs)
+            start = time.time()
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": QG.NUM_WARPS, "enable_fp_fusion": False})
+            print(f"[gluon_{i}] {time.time() - start:.1f}s shared={k.metadata.shared} {cfg}")
+    else:
+        print(f"[gluon] skipped: written for Triton {QG.VERIFIED_TRITON}, this is {triton.__version__}")
     compile_sm90(G._scale_f32_kernel, {"scale_ptr":"*u8","out_ptr":"*fp32"}, dict(SWIZZLED=True, BLOCK_R=64, BLOCK_KB=16), 4, 1, "scalef32", div16=["R_PAD","KB_PAD"])
 
 

@@ -243,9 +243,16 @@ def _mla_q_fwd_gluon_kernel(
 CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
 
 
+VERIFIED_TRITON = ("3.6.",)  # Gluon is experimental: 3.9 renames the TMA copies and drops
+# thread_barrier / automatic shared-memory barriers, so other releases need their own port and GPU run
+
+
 def gluon_reasons(x, w) -> list:
     """Why the Gluon kernel cannot run these operands (empty: it can)."""
     reasons = []
+    if not triton.__version__.startswith(VERIFIED_TRITON):
+        reasons.append(f"the Gluon kernel is verified with Triton {', '.join(v + 'x' for v in VERIFIED_TRITON)} only, "
+                       f"this is {triton.__version__}")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return ["x and w must be bf16 tensors (the MXFP8 projection runs on the Triton kernels)"]
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
