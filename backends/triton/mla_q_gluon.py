@@ -23,8 +23,14 @@ STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K st
 shared memory and <= 255 registers, so two programs share an SM and one's epilogue overlaps the
 other's main loop.
 
+Measured (H200, BENCHMARKS.md): 1.63-1.64x the cuBLAS GEMM at T = 4096 / 16384 (Triton kernels
+1.70-1.76x), main loop alone 1.12-1.18x (GROUP_M 64 keeps a group's x tiles in L2), epilogue +0.85 ms
+at T = 16384 that the second CTA on the SM does not hide. Next: persistent and warp-specialized -- a
+TMA producer warp and two consumer warpgroups taking alternate tiles from one ring, so one's epilogue
+runs under the other's MMAs (~224 KB of shared memory with two epilogue regions and a 3-stage ring).
+
 Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
-sm90 (wgmma). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
+sm90 (wgmma), Triton 3.6 (VERIFIED_TRITON). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
 with spec and with the other variants.
 """
 from __future__ import annotations
