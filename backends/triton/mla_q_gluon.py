@@ -43,16 +43,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
+
 BLOCK_M = 64
 NUM_WARPS = 4
 _HEAD, _NOPE, _ROPE = 192, 128, 64
 
-# fp32 bit patterns (the same constants as _mxfp8.py; SEMANTICS 1.1 / 1.4)
-_ABS = gl.constexpr(0x7FFFFFFF)
-_INF = gl.constexpr(0x7F800000)
-_MANT = gl.constexpr(0x007FFFFF)
-_HALF_SUBNORMAL = gl.constexpr(0x00400000)
-_INV_448 = gl.constexpr(0x3B124925)
+# The scale-byte and code helpers below restate _mxfp8's (same constants, same operations): Gluon
+# cannot call those triton.jit functions, whose tl.full carries no layout.
+_ABS, _INF, _MANT = F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK
+_HALF_SUBNORMAL, _INV_448 = HALF_SUBNORMAL_MANT, E4M3_INV_MAX_BITS
 
 
 @gluon.jit
