@@ -83,6 +83,9 @@ def mla_q_parts(token_list) -> None:
                 t_m = ms(lambda: mla_q_gluon.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
                 print(f"T={tokens}: Gluon kernel {cfg}: {t_g:.3f} ms ({t_g / gemm:.2f}x); "
                       f"its main loop alone {t_m:.3f} ms ({t_m / gemm:.2f}x)")
+                if os.environ.get("PARTS_WS") == "1":  # the warp-specialized kernel: first runs, so opt-in
+                    t_w = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="gluon_ws", config=cfg))
+                    print(f"T={tokens}: Gluon warp-specialized kernel {cfg}: {t_w:.3f} ms ({t_w / gemm:.2f}x)")
         except Exception as exc:  # noqa: BLE001 - report and go on with the Triton parts
             print(f"T={tokens}: Gluon kernel failed: {type(exc).__name__}: {str(exc)[:300]}")
         tuner = tq._fwd_tma_tuned[False]

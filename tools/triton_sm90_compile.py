@@ -113,15 +113,15 @@ def main():
                                                      gl.NVMMASharedLayout.get_default_for(b, gl.bfloat16 if dt == torch.bfloat16 else gl.uint8)))
                      for n, (dt, b) in blocks.items()}
             types.update(cos_ptr="*fp32", sin_ptr="*fp32", row_scale_ptr="*u8", col_scale_ptr="*u8")
-            fn = QG._mla_q_fwd_gluon_kernel
-            names = fn.arg_names
-            sig = {n: "constexpr" if n in cfg else types.get(n, "i32") for n in names}
-            attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
-                     if n in ("cos_ptr", "sin_ptr", "row_scale_ptr", "col_scale_ptr", "T", "K", "stride_cos", "stride_sin")}
-            src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cfg.items()}, attrs=attrs)
-            start = time.time()
-            k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": QG.NUM_WARPS, "enable_fp_fusion": False})
-            print(f"[gluon_{i}] {time.time() - start:.1f}s shared={k.metadata.shared} {cfg}")
+            for tag, fn in (("gluon", QG._mla_q_fwd_gluon_kernel), ("gluon_ws", QG._mla_q_fwd_gluon_ws_kernel)):
+                names = fn.arg_names
+                sig = {n: "constexpr" if n in cfg else types.get(n, "i32") for n in names}
+                attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names)
+                         if n in ("cos_ptr", "sin_ptr", "row_scale_ptr", "col_scale_ptr", "T", "K", "stride_cos", "stride_sin")}
+                src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in cfg.items()}, attrs=attrs)
+                start = time.time()
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": QG.NUM_WARPS, "enable_fp_fusion": False})
+                print(f"[{tag}_{i}] {time.time() - start:.1f}s shared={k.metadata.shared} (max 232448) {cfg}")
     else:
         print(f"[gluon] skipped: written for Triton {QG.VERIFIED_TRITON}, this is {triton.__version__}")
     compile_sm90(G._scale_f32_kernel, {"scale_ptr":"*u8","out_ptr":"*fp32"}, dict(SWIZZLED=True, BLOCK_R=64, BLOCK_KB=16), 4, 1, "scalef32", div16=["R_PAD","KB_PAD"])

@@ -562,17 +562,19 @@ def gluon_reasons(x, w) -> List[str]:
 
 
 def forward_variant(x, w) -> str:
-    """"gluon", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (gluon | tma | pointer | auto, default
-    auto) decides. auto: the Gluon kernel on sm90 for a bf16 projection it accepts (gluon_reasons), else
-    TMA on sm90+ when both operands qualify, else the pointer kernel (the interpreter runs the Triton
-    kernels when asked). An explicit choice the operands cannot take raises, naming the reasons."""
-    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "tma", "pointer"), "auto")
+    """"gluon", "gluon_ws", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (gluon | gluon_ws | tma |
+    pointer | auto, default auto) decides. auto: the Gluon kernel on sm90 for a bf16 projection it
+    accepts (gluon_reasons), else TMA on sm90+ when both operands qualify, else the pointer kernel (the
+    interpreter runs the Triton kernels when asked). gluon_ws, the persistent warp-specialized Gluon
+    kernel, is only ever taken by name: it has not run on a GPU yet. An explicit choice the operands
+    cannot take raises, naming the reasons."""
+    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "gluon_ws", "tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
-    if choice == "gluon":
+    if choice in ("gluon", "gluon_ws"):
         reasons = gluon_reasons(x, w)
         if reasons:
-            raise ValueError("MXMLA_TRITON_MLA_Q_VARIANT=gluon: " + "; ".join(reasons))
-        return "gluon"
+            raise ValueError(f"MXMLA_TRITON_MLA_Q_VARIANT={choice}: " + "; ".join(reasons))
+        return choice
     ok = _tma_ok(xd) and _tma_ok(wd)
     if choice == "pointer" or not ok:
         return "pointer"
@@ -615,14 +617,14 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
         return q_row, q_col
     variant = variant or forward_variant(x, w)
     cos, sin = _unit_last(cos), _unit_last(sin)
-    if variant == "gluon":
+    if variant in ("gluon", "gluon_ws"):
         reasons = gluon_reasons(x, w)
         if reasons:
-            raise ValueError("variant='gluon': " + "; ".join(reasons))
+            raise ValueError(f"variant={variant!r}: " + "; ".join(reasons))
         from . import mla_q_gluon
 
         mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
-                           col_scale, config=config)
+                           col_scale, config=config, warp_specialized=variant == "gluon_ws")
         return q_row, q_col
     if mx:
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)

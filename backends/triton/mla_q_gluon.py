@@ -83,90 +83,29 @@ def _codes(v, e_expanded):
 
 
 @gluon.jit
-def _mla_q_fwd_gluon_kernel(
-    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
-    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
-    T, K, H, stride_cos, stride_sin,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MAINLOOP_ONLY: gl.constexpr = False,
-):
+def _tile_coords(tile, num_m, H, GROUP_M: gl.constexpr):
+    """(token tile, head) of a tile index in grouped order: GROUP_M token tiles per head run together
+    (the group's x tiles stay in L2 while the heads' w stream through)."""
+    per_group = GROUP_M * H
+    first_m = (tile // per_group) * GROUP_M
+    group_m = gl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@gluon.jit
+def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+              row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+              col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin):
+    """One [64 tokens, head] tile's epilogue: bf16 staging into the shared tiles, the two quantizations
+    and RoPE each in its own layout, codes out by TMA (not waited for), scales by plain stores. The
+    caller owns the buffers and waits for the TMA stores (tma.store_wait) before reusing them."""
     BM: gl.constexpr = 64
     NOPE: gl.constexpr = 128
     ROPE: gl.constexpr = 64
     HALF: gl.constexpr = 32
     HEAD: gl.constexpr = 192
-
-    # grouped order: GROUP_M token tiles per head run together (the head's w stays in L2)
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(T, BM)
-    per_group = GROUP_M * H
-    first_m = (pid // per_group) * GROUP_M
-    group_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    head = (pid % per_group) // group_m
-    m0 = pid_m * BM
-    n0 = head * HEAD
-
-    # ---- main loop: TMA ring + async wgmma ----
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BLOCK_K], x_desc.layout)
-    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
-    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-    nbytes: gl.constexpr = (BM + NOPE + ROPE) * BLOCK_K * 2
-    k_steps = gl.cdiv(K, BLOCK_K)
-    for j in gl.static_range(STAGES - 1):
-        pred = j < k_steps
-        mbarrier.expect(ready.index(j), nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
-        tma.async_copy_global_to_shared(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
-        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
-                                        pred=pred)
-
-    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
-    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
-    acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
-    acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
-    for i in range(k_steps):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        acc_nope = warpgroup_mma(x_ring.index(s), wn_ring.index(s).permute((1, 0)), acc_nope, is_async=True)
-        acc_rope = warpgroup_mma(x_ring.index(s), wr_ring.index(s).permute((1, 0)), acc_rope, is_async=True)
-        # leaves step i's two MMAs in flight: step i - 1's slot is free for the load STAGES - 1 ahead
-        acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=2, deps=(acc_nope, acc_rope))
-        nxt = i + STAGES - 1
-        pred = nxt < k_steps
-        ns = nxt % STAGES
-        mbarrier.expect(ready.index(ns), nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
-        tma.async_copy_global_to_shared(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
-        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
-                                        pred=pred)
-    acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(j))
-
-    if MAINLOOP_ONLY:  # profiling: the main loop alone (a store no launch takes keeps the MMAs alive)
-        if T < 0:
-            sink = gl.sum(acc_nope, axis=1) + gl.sum(gl.convert_layout(acc_rope, mma_nope, assert_trivial=False), axis=1)
-            gl.store(row_scale_ptr.to(gl.pointer_type(gl.float32)) + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_nope)),
-                     sink)
-        return
-
-    # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
-    # shared layouts picked with gl.bank_conflicts for every store / load below (all 0 but the rowwise
-    # load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 RoPE tile in 16-byte vectors
-    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16)
-    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16)
     nope_smem.store(acc_nope.to(gl.bfloat16))
     rope_smem.store(acc_rope.to(gl.bfloat16))
-    row_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout)
-    row_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout)
-    col_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout)
-    col_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout)
-    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32)
     gl.thread_barrier()
 
     # cos / sin first: their global-load latency runs under the no-RoPE quantization below
@@ -238,7 +177,239 @@ def _mla_q_fwd_gluon_kernel(
     fence_async_shared()
     tma.async_copy_shared_to_global(row_rope_desc, [m0, n0 + NOPE], row_rope)
     tma.async_copy_shared_to_global(col_rope_desc, [m0, n0 + NOPE], col_rope)
+
+
+@gluon.jit
+def _mla_q_fwd_gluon_kernel(
+    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
+    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
+    T, K, H, stride_cos, stride_sin,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MAINLOOP_ONLY: gl.constexpr = False,
+):
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    HEAD: gl.constexpr = 192
+
+    pid_m, head = _tile_coords(gl.program_id(0), gl.cdiv(T, BM), H, GROUP_M)
+    m0 = pid_m * BM
+    n0 = head * HEAD
+
+    # ---- main loop: TMA ring + async wgmma ----
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BLOCK_K], x_desc.layout)
+    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
+    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+    nbytes: gl.constexpr = (BM + NOPE + ROPE) * BLOCK_K * 2
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for j in gl.static_range(STAGES - 1):
+        pred = j < k_steps
+        mbarrier.expect(ready.index(j), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
+        tma.async_copy_global_to_shared(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
+        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
+                                        pred=pred)
+
+    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
+    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
+    acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
+    acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
+    for i in range(k_steps):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        acc_nope = warpgroup_mma(x_ring.index(s), wn_ring.index(s).permute((1, 0)), acc_nope, is_async=True)
+        acc_rope = warpgroup_mma(x_ring.index(s), wr_ring.index(s).permute((1, 0)), acc_rope, is_async=True)
+        # leaves step i's two MMAs in flight: step i - 1's slot is free for the load STAGES - 1 ahead
+        acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=2, deps=(acc_nope, acc_rope))
+        nxt = i + STAGES - 1
+        pred = nxt < k_steps
+        ns = nxt % STAGES
+        mbarrier.expect(ready.index(ns), nbytes, pred=pred)
+        tma.async_copy_global_to_shared(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
+        tma.async_copy_global_to_shared(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
+        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
+                                        pred=pred)
+    acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
+    for j in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(j))
+
+    if MAINLOOP_ONLY:  # profiling: the main loop alone (a store no launch takes keeps the MMAs alive)
+        if T < 0:
+            sink = gl.sum(acc_nope, axis=1) + gl.sum(gl.convert_layout(acc_rope, mma_nope, assert_trivial=False), axis=1)
+            gl.store(row_scale_ptr.to(gl.pointer_type(gl.float32)) + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_nope)),
+                     sink)
+        return
+
+    # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
+    # shared layouts picked with gl.bank_conflicts for every store / load below (all 0 but the rowwise
+    # load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 RoPE tile in 16-byte vectors
+    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16)
+    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16)
+    row_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout)
+    row_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout)
+    col_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout)
+    col_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout)
+    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32)
+    _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+              row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+              col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin)
     tma.store_wait(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# persistent, warp-specialized variant (written and compiled offline for sm90; NOT yet run on a GPU)
+# --------------------------------------------------------------------------------------------------
+@gluon.jit
+def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA loads of every k-step of this program's tiles, in tile order, into the ring."""
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    nbytes: gl.constexpr = (BM + 192) * BLOCK_K * 2
+    num_m = gl.cdiv(T, BM)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    c = 0
+    for tile in range(gl.program_id(0), num_m * H, gl.num_programs(0)):
+        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        m0 = pid_m * BM
+        n0 = head * 192
+        for kk in range(k_steps):
+            s = c % STAGES
+            # a fresh barrier counts as having completed the phase before its first: parity 1 passes
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [m0, kk * BLOCK_K], ready.index(s), x_ring.index(s))
+            tma.async_copy_global_to_shared(wn_desc, [n0, kk * BLOCK_K], ready.index(s), wn_ring.index(s))
+            tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, kk * BLOCK_K], ready.index(s), wr_ring.index(s))
+            c += 1
+
+
+@gluon.jit
+def _ws_consumer(CID: gl.constexpr, x_ring, wn_ring, wr_ring, ready, empty, done,
+                 nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+                 row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                 col_scale_ptr, T, K, H, stride_cos, stride_sin,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: this program's tiles CID, CID + 2, ... (the other warpgroup takes the rest), each
+    a wgmma main loop over the ring's slots then the epilogue in this warpgroup's own buffers, so one
+    warpgroup's epilogue runs under the other's main loop (ping-pong). The main loops take turns
+    through `done` (one mbarrier per warpgroup, arrived when its main loop ends): besides ordering the
+    tensor-core use, this keeps every wait on a ring slot within one phase of the slot's state -- a
+    parity wait cannot tell phase n from n + 2, and a warpgroup starting its next tile early would
+    wait for a fill STAGES x 2 ahead and pass on an old one."""
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    num_m = gl.cdiv(T, BM)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
+    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
+    nprog = gl.num_programs(0)
+    j = CID  # this tile's position in the program's tile sequence (slot counter = j * k_steps + kk)
+    n = 0  # this warpgroup's tile count
+    for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
+        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        # turn: warpgroup 0's n-th main loop after warpgroup 1's (n-1)-th, warpgroup 1's n-th after 0's n-th
+        if CID == 0:
+            mbarrier.wait(done.index(1), (n + 1) & 1, pred=n > 0)
+        else:
+            mbarrier.wait(done.index(0), n & 1)
+        acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
+        acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
+        c0 = j * k_steps
+        for kk in range(k_steps):
+            c = c0 + kk
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            acc_nope = warpgroup_mma(x_ring.index(s), wn_ring.index(s).permute((1, 0)), acc_nope, is_async=True)
+            acc_rope = warpgroup_mma(x_ring.index(s), wr_ring.index(s).permute((1, 0)), acc_rope, is_async=True)
+            acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=2, deps=(acc_nope, acc_rope))
+            # step kk - 1's MMAs are done: its slot goes back to the producer
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
+        acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
+        mbarrier.arrive(empty.index((c0 + k_steps - 1) % STAGES))
+        mbarrier.arrive(done.index(CID))
+        tma.store_wait(0)  # the previous tile's code boxes have left this warpgroup's buffers
+        _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+                  row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                  col_scale_ptr, pid_m * BM, head * 192, pid_m, head, H, stride_cos, stride_sin)
+        j += 2
+        n += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _ws_consumer_a(x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
+                   col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr,
+                   sin_ptr, row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _ws_consumer(0, x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
+                 col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr,
+                 row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
+
+
+@gluon.jit
+def _ws_consumer_b(x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
+                   col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr,
+                   sin_ptr, row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    _ws_consumer(1, x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
+                 col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr,
+                 row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
+
+
+@gluon.jit
+def _mla_q_fwd_gluon_ws_kernel(
+    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
+    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
+    T, K, H, stride_cos, stride_sin,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+):
+    """Persistent (one program per SM): a TMA producer warp and two consumer warpgroups that take
+    alternate tiles, each with its own epilogue buffers (~64 KB each beside the ring)."""
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BLOCK_K], x_desc.layout)
+    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
+    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    for j in gl.static_range(2):
+        mbarrier.init(done.index(j), count=1)
+    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    bufs_a = (gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16),
+              gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16),
+              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout),
+              gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32))
+    bufs_b = (gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16),
+              gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16),
+              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout),
+              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout),
+              gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32))
+    rest = (row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+            col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
+    ring = (x_ring, wn_ring, wr_ring, ready, empty, done)
+    gl.warp_specialize([
+        (_ws_consumer_a, ring + bufs_a + rest),
+        (_ws_consumer_b, ring + bufs_b + rest),
+        (_ws_producer, (x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
+                        BLOCK_K, STAGES, GROUP_M)),
+    ], [4, 1], [232, 40])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,9 +450,11 @@ def _desc(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False):
+def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False,
+           warp_specialized=False):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
-    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]."""
+    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. warp_specialized: the persistent
+    producer / ping-pong-consumer kernel -- compiled offline for sm90, NOT yet run on a GPU."""
     cfg = dict(CONFIGS[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
@@ -290,11 +463,19 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
     bk = cfg["BLOCK_K"]
     rc2 = row_codes.view(tokens, heads * _HEAD)
     cc2 = col_codes.view(tokens, heads * _HEAD)
-    grid = (triton.cdiv(tokens, BLOCK_M) * heads,)
-    _mla_q_fwd_gluon_kernel[grid](
-        _desc(x, [BLOCK_M, bk]), _desc(w, [_NOPE, bk]), _desc(w, [_ROPE, bk]), cos, sin,
-        _desc(rc2, [BLOCK_M, _NOPE]), _desc(rc2, [BLOCK_M, _ROPE]), _desc(cc2, [BLOCK_M, _NOPE]),
-        _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
-        tokens, k, heads, cos.stride(0), sin.stride(0),
-        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], MAINLOOP_ONLY=mainloop_only,
+    args = (_desc(x, [BLOCK_M, bk]), _desc(w, [_NOPE, bk]), _desc(w, [_ROPE, bk]), cos, sin,
+            _desc(rc2, [BLOCK_M, _NOPE]), _desc(rc2, [BLOCK_M, _ROPE]), _desc(cc2, [BLOCK_M, _NOPE]),
+            _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
+            tokens, k, heads, cos.stride(0), sin.stride(0))
+    tiles = triton.cdiv(tokens, BLOCK_M) * heads
+    if warp_specialized:
+        if mainloop_only:
+            raise ValueError("mainloop_only: the warp-specialized kernel has no main-loop-only mode")
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        _mla_q_fwd_gluon_ws_kernel[(min(sms, tiles),)](
+            *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
+            num_warps=NUM_WARPS, enable_fp_fusion=False)
+        return
+    _mla_q_fwd_gluon_kernel[(tiles,)](
+        *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], MAINLOOP_ONLY=mainloop_only,
         num_warps=NUM_WARPS, enable_fp_fusion=False)

@@ -13,6 +13,7 @@ CUDA adds DeepSeek-V3 widths (H = 128, K = 1536).
 """
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
@@ -111,6 +112,27 @@ def test_forward_gluon_exact_bytes(triton_target, mla, shape):
         got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
         _check_mx(got[0], want[0], f"q_row ({table.__name__} tables)")
         _check_mx(got[1], want[1], f"q_col ({table.__name__} tables)")
+
+
+@pytest.mark.skipif(os.environ.get("MXMLA_TEST_GLUON_WS") != "1",
+                    reason="the warp-specialized Gluon kernel has not run on a GPU yet; a deadlock would stall the "
+                           "suite, so it runs only when asked: MXMLA_TEST_GLUON_WS=1 under a timeout")
+@pytest.mark.parametrize("shape", [(64, 64, 1), (128, 96, 3), (192, 1536, 4), (4096, 1536, 128)],
+                         ids=lambda s: "T{}K{}H{}".format(*s))
+def test_forward_gluon_ws_exact_bytes(triton_target, mla, shape):
+    # The persistent warp-specialized kernel against spec (exact inputs: any summation order gives spec's
+    # bytes), with fewer tiles than SMs, a few per program, and many (T = 4096 x 128 heads).
+    device = triton_target[1]
+    _variant_or_skip(device, "gluon")
+    tokens, k, heads = shape
+    x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws", shape), tokens, k, heads, "bf16")
+    if tokens * heads > 4096:  # spec on the whole DeepSeek width is slow: compare with the Gluon kernel
+        want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
+    else:
+        want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
+    got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws")
+    _check_mx(got[0], want[0], "q_row")
+    _check_mx(got[1], want[1], "q_col")
 
 
 # (T, K, H, BLOCK_M, BLOCK_K, ROPE_SPLIT): token tails (96 = 64 + 32), K tails (96 with 64-wide steps),
@@ -312,7 +334,7 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
     with pytest.raises(ValueError, match="MXMLA_TRITON_MLA_Q_VARIANT=gluon: .*CUDA only"):
         mod.forward_variant(x, x)
     monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluonn")
-    with pytest.raises(ValueError, match="expected one of auto, gluon, tma, pointer"):
+    with pytest.raises(ValueError, match="expected one of auto, gluon, gluon_ws, tma, pointer"):
         mod.forward_variant(x, x)
     xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
                   "compact")
