@@ -33,7 +33,7 @@ for phase in $PHASES; do
     # under pytest-timeout's TEST_TIMEOUT, the whole run under TEST_CAP (SIGINT: pytest still reports).
     start=$SECONDS
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # 8 workers x NumPy threads on 16 cores
-    timeout -s INT "${TEST_CAP:-330}" python3 -m pytest tests/conformance tests/test_autograd_cuda.py -k "cuda or test_attention_triton" \
+    timeout -s INT "${TEST_CAP:-450}" python3 -m pytest tests/conformance tests/test_autograd_cuda.py -k "cuda or test_attention_triton" \
       -n "${TEST_WORKERS:-8}" --timeout "${TEST_TIMEOUT:-240}" -q -p no:cacheprovider -rfE \
       --junitxml="$OUT/conformance.xml" > "$OUT/conformance.log" 2>&1
     rc=$?
