@@ -343,26 +343,6 @@ def _ws_consumer(CID: gl.constexpr, x_ring, wn_ring, wr_ring, ready, empty, done
 
 
 @gluon.jit
-def _ws_consumer_a(x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
-                   col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr,
-                   sin_ptr, row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _ws_consumer(0, x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
-                 col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr,
-                 row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
-
-
-@gluon.jit
-def _ws_consumer_b(x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
-                   col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr,
-                   sin_ptr, row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    _ws_consumer(1, x_ring, wn_ring, wr_ring, ready, empty, done, nope_smem, rope_smem, row_nope, row_rope, col_nope,
-                 col_rope, rope_f32, row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr,
-                 row_scale_ptr, col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
-
-
-@gluon.jit
 def _mla_q_fwd_gluon_ws_kernel(
     x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
     row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
@@ -405,8 +385,8 @@ def _mla_q_fwd_gluon_ws_kernel(
             col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
     ring = (x_ring, wn_ring, wr_ring, ready, empty, done)
     gl.warp_specialize([
-        (_ws_consumer_a, ring + bufs_a + rest),
-        (_ws_consumer_b, ring + bufs_b + rest),
+        (_ws_consumer, (0,) + ring + bufs_a + rest),
+        (_ws_consumer, (1,) + ring + bufs_b + rest),
         (_ws_producer, (x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
                         BLOCK_K, STAGES, GROUP_M)),
     ], [4, 1], [232, 40])
