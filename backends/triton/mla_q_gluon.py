@@ -180,6 +180,23 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
 
 
 @gluon.jit
+def _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc):
+    """One warpgroup's epilogue buffers (~64 KB): the bf16 staging tiles, the four code boxes, the fp32
+    RoPE tile. Shared layouts picked with gl.bank_conflicts for every store / load of _epilogue (all 0
+    but the rowwise load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 tile likewise."""
+    BM: gl.constexpr = 64
+    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    return (gl.allocate_shared_memory(gl.bfloat16, [BM, 128], tile16),
+            gl.allocate_shared_memory(gl.bfloat16, [BM, 64], tile16),
+            gl.allocate_shared_memory(gl.uint8, [BM, 128], row_nope_desc.layout),
+            gl.allocate_shared_memory(gl.uint8, [BM, 64], row_rope_desc.layout),
+            gl.allocate_shared_memory(gl.uint8, [BM, 128], col_nope_desc.layout),
+            gl.allocate_shared_memory(gl.uint8, [BM, 64], col_rope_desc.layout),
+            gl.allocate_shared_memory(gl.float32, [BM, 64], tile32))
+
+
+@gluon.jit
 def _mla_q_fwd_gluon_kernel(
     x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
     row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
@@ -243,17 +260,8 @@ def _mla_q_fwd_gluon_kernel(
         return
 
     # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
-    # shared layouts picked with gl.bank_conflicts for every store / load below (all 0 but the rowwise
-    # load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 RoPE tile in 16-byte vectors
-    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16)
-    rope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16)
-    row_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout)
-    row_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout)
-    col_nope = gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout)
-    col_rope = gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout)
-    rope_f32 = gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32)
+    nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32 = _epilogue_buffers(
+        row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
     _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
               row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
               col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin)
@@ -365,22 +373,8 @@ def _mla_q_fwd_gluon_ws_kernel(
         mbarrier.init(empty.index(j), count=1)
     for j in gl.static_range(2):
         mbarrier.init(done.index(j), count=1)
-    tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
-    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    bufs_a = (gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16),
-              gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16),
-              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout),
-              gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32))
-    bufs_b = (gl.allocate_shared_memory(gl.bfloat16, [BM, NOPE], tile16),
-              gl.allocate_shared_memory(gl.bfloat16, [BM, ROPE], tile16),
-              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], row_nope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], row_rope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, NOPE], col_nope_desc.layout),
-              gl.allocate_shared_memory(gl.uint8, [BM, ROPE], col_rope_desc.layout),
-              gl.allocate_shared_memory(gl.float32, [BM, ROPE], tile32))
+    bufs_a = _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
+    bufs_b = _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
     rest = (row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
             col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
     ring = (x_ring, wn_ring, wr_ring, ready, empty, done)
