@@ -449,6 +449,20 @@ def _leaves(*tensors):
     return [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
 
 
+def _chain_inputs(path, gen, tokens, cos, sin):
+    """(chain, its inputs) for the "mxfp8" or "bf16" chain, drawn from `gen`."""
+    if path == "mxfp8":
+        return _mx_chain, [torch.randn(tokens, 64, generator=gen), 1.0 + 0.1 * torch.randn(64, generator=gen),
+                           torch.randn(H * 192, 64, generator=gen) * 0.1,
+                           torch.randn(1, tokens, H, 192, generator=gen).bfloat16(),
+                           torch.randn(1, tokens, H, 128, generator=gen).bfloat16(), cos, sin]
+    return _bf16_chain, [torch.randn(tokens, 64, generator=gen).bfloat16(),
+                         (torch.randn(H * 192, 64, generator=gen) * 0.1).bfloat16(),
+                         torch.randn(1, tokens, 1, 64, generator=gen).bfloat16(), cos, sin,
+                         torch.randn(1, tokens, H, 128, generator=gen).bfloat16(),
+                         torch.randn(1, tokens, H, 128, generator=gen).bfloat16()]
+
+
 @pytest.mark.parametrize("path", ["mxfp8", "bf16"])
 def test_torch_compile_fullgraph_matches_eager(path):
     """fullgraph=True fails on any graph break; the custom ops run the same kernels compiled or not,
@@ -456,19 +470,7 @@ def test_torch_compile_fullgraph_matches_eager(path):
     gen = torch.Generator().manual_seed(15)
     tokens = 32
     cos, sin = rope_tables(tokens, gen)
-    if path == "mxfp8":
-        fn = _mx_chain
-        inputs = [torch.randn(tokens, 64, generator=gen), 1.0 + 0.1 * torch.randn(64, generator=gen),
-                  torch.randn(H * 192, 64, generator=gen) * 0.1,
-                  torch.randn(1, tokens, H, 192, generator=gen).bfloat16(),
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16(), cos, sin]
-    else:
-        fn = _bf16_chain
-        inputs = [torch.randn(tokens, 64, generator=gen).bfloat16(),
-                  (torch.randn(H * 192, 64, generator=gen) * 0.1).bfloat16(),
-                  torch.randn(1, tokens, 1, 64, generator=gen).bfloat16(), cos, sin,
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16(),
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16()]
+    fn, inputs = _chain_inputs(path, gen, tokens, cos, sin)
     differentiable = [i for i, t in enumerate(inputs) if t is not cos and t is not sin]
 
     def run(f):
@@ -536,19 +538,7 @@ def test_triton_interpreter_gradients_match_torch(path):
     gen = torch.Generator().manual_seed(16)
     tokens = 32
     cos, sin = rope_tables(tokens, gen)
-    if path == "mxfp8":
-        fn = _mx_chain
-        inputs = [torch.randn(tokens, 64, generator=gen), 1.0 + 0.1 * torch.randn(64, generator=gen),
-                  torch.randn(H * 192, 64, generator=gen) * 0.1,
-                  torch.randn(1, tokens, H, 192, generator=gen).bfloat16(),
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16(), cos, sin]
-    else:
-        fn = _bf16_chain
-        inputs = [torch.randn(tokens, 64, generator=gen).bfloat16(),
-                  (torch.randn(H * 192, 64, generator=gen) * 0.1).bfloat16(),
-                  torch.randn(1, tokens, 1, 64, generator=gen).bfloat16(), cos, sin,
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16(),
-                  torch.randn(1, tokens, H, 128, generator=gen).bfloat16()]
+    fn, inputs = _chain_inputs(path, gen, tokens, cos, sin)
     grads = {}
     for backend in ("torch", "triton"):
         leaves = _leaves(*inputs)
