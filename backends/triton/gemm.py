@@ -66,6 +66,7 @@ from ..registry import register
 from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
+from .quantize import dequantize_launch
 
 __all__ = ["mxfp8_gemm", "mxfp8_gemm_tensors", "scale_offsets"]
 
@@ -115,12 +116,42 @@ def _mxfp8_gemm_kernel(
     M, N, K, M_BUCKET,
     stride_am, stride_ak, stride_bn, stride_bk,
     stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
+    stride_cm, stride_cn, gate_ptr,
+    A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, WIDEN_F16: tl.constexpr, GATED: tl.constexpr = False,
+):
+    """One output tile per program; GATED: the bf16 route's exact fallback, launched persistent (one
+    program per SM) so that when *gate_ptr is 0, as it almost always is, it costs one short wave."""
+    if GATED:
+        if tl.load(gate_ptr) != 0:
+            num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+            for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+                _mxfp8_gemm_tile(
+                    tile, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+                    stride_am, stride_ak, stride_bn, stride_bk,
+                    stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
+                    stride_cm, stride_cn, A_SWIZZLED, B_SWIZZLED, OUT_DTYPE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, WIDEN_F16)
+    else:
+        _mxfp8_gemm_tile(
+            tl.program_id(0), a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+            stride_am, stride_ak, stride_bn, stride_bk,
+            stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
+            stride_cm, stride_cn, A_SWIZZLED, B_SWIZZLED, OUT_DTYPE,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_K, WIDEN_F16)
+
+
+@triton.jit
+def _mxfp8_gemm_tile(
+    pid, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, M, N, K,
+    stride_am, stride_ak, stride_bn, stride_bk,
+    stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
     stride_cm, stride_cn,
     A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -217,7 +248,7 @@ def _mxfp8_gemm_dot_scaled_kernel(
     M, N, K, M_BUCKET,
     stride_am, stride_ak, stride_bn, stride_bk,
     stride_as_row, stride_as_col, stride_bs_row, stride_bs_col, a_col_groups, b_col_groups,
-    stride_cm, stride_cn,
+    stride_cm, stride_cn, gate_ptr,
     A_SWIZZLED: tl.constexpr, B_SWIZZLED: tl.constexpr, OUT_DTYPE: tl.constexpr,
     A_FORMAT: tl.constexpr, B_FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -356,20 +387,22 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def gemm_variant(a: MXTensor, b: MXTensor) -> str:
-    """"dot_scaled" (sm100+), "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=tma|pointer
-    forces one of the sm90 kernels (the interpreter runs both); default: TMA on sm90 when the codes
-    qualify (unit K stride, 16-byte aligned rows), the pointer kernel otherwise."""
+    """"dot_scaled" (sm100+), "bf16", "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=
+    bf16|tma|pointer forces one of the sm89/sm90 routes (the interpreter runs all three); default on
+    sm90: "bf16" (dequantize to bf16, one bf16 tensor-core GEMM, exact fallback: _launch_bf16)."""
     device = a.data.device
     if use_dot_scaled(device):
         return "dot_scaled"
-    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "tma", "pointer"), "auto")
+    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "bf16", "tma", "pointer"), "auto")
+    if choice == "bf16":
+        return "bf16"
     ok = _tma_ok(a.data) and _tma_ok(b.data)
-    if choice == "pointer" or not ok:
+    if choice == "pointer" or (choice == "tma" and not ok):
         return "pointer"
     if choice == "tma":
         return "tma"
     if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "tma"
+        return "bf16"
     return "pointer"
 
 
@@ -420,9 +453,64 @@ def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
     return out
 
 
+# Scale bytes for which every code of a block dequantizes to a normal bf16 (or zero): e4m3 codes span
+# [2^-9, 448 = 1.75 * 2^8], e5m2 [2^-16, 57344 = 1.75 * 2^15], bf16's normals [2^-126, ~2^128).
+BF16_SAFE_SCALE_BYTES = {"e4m3": (10, 246), "e5m2": (17, 239)}
+
+
+def _bf16_matmul(a16: torch.Tensor, b16: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a16 @ b16^T with every product exact and the sum in fp32, rounded once to out's dtype."""
+    if out.device.type != "cuda":
+        # CPU (interpreter tests): the same arithmetic, bf16 x bf16 products are exact in fp32
+        out.copy_(a16.float() @ b16.float().t())
+        return
+    flags = torch.backends.cuda.matmul
+    prev = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False  # no bf16 split-K partial sums
+    try:
+        if out.dtype == torch.bfloat16 and out.is_contiguous():
+            torch.mm(a16, b16.t(), out=out)
+        elif out.dtype == torch.bfloat16:
+            out.copy_(torch.mm(a16, b16.t()))
+        else:
+            out.copy_(torch.mm(a16, b16.t(), out_dtype=torch.float32))
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = prev
+
+
+def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
+    """The sm90 route: dequantize a and b to bf16 (exact for scale bytes in BF16_SAFE_SCALE_BYTES),
+    one bf16 GEMM with fp32 accumulation (cuBLAS), then the exact per-block kernel as a gated
+    fallback that recomputes everything when a guard flag was raised (a scale byte outside the
+    safe range, a NaN or Inf operand): no host sync, CUDA-graph safe, and the same
+    products-exact-fp32-sum contract as the block kernels."""
+    flag = torch.zeros(1, dtype=torch.int32, device=out.device)
+    a16 = dequantize_launch(a, "bfloat16", guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
+    b16 = dequantize_launch(b, "bfloat16", guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
+    _bf16_matmul(a16, b16, out)
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
+    b_data, b_scale, (sbr, sbc), b_groups, b_swz = _operand(b)
+    cfg = _INTERPRET if interpret_mode() else _FIXED_SM90
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    programs = tiles if interpret_mode() else min(tiles, _sm_count(out.device))
+    _gemm_sm90_fixed[(programs,)](
+        a_data, a_scale, b_data, b_scale, out, m, n, k, m_bucket(m),
+        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
+        sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1), flag,
+        A_SWIZZLED=a_swz, B_SWIZZLED=b_swz, OUT_DTYPE=tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32,
+        WIDEN_F16=fp8_mma_widened(out.device), GATED=True, **cfg)
+    return out
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None, config=None) -> torch.Tensor:
     """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors.
-    variant: "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed tile dict."""
+    variant: "bf16" | "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed tile dict."""
     m, k = a.data.shape
     n = b.data.shape[0]
     if m == 0 or n == 0:
@@ -432,6 +520,8 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
     a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
     b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
     variant = variant or gemm_variant(a, b)
+    if variant == "bf16":
+        return _launch_bf16(a, b, out)
     if variant == "tma":
         return _launch_tma(a, b, out, config)
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
@@ -439,7 +529,7 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
     out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32
     args = (a_data, a_scale, b_data, b_scale, out, m, n, k, m_bucket(m),
             a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
-            sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1))
+            sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1), a_data)
     meta = dict(A_SWIZZLED=a_swz, B_SWIZZLED=b_swz, OUT_DTYPE=out_dtype)
     if variant == "dot_scaled":
         meta.update(A_FORMAT=_DOT_SCALED_FORMAT[a.elem], B_FORMAT=_DOT_SCALED_FORMAT[b.elem])

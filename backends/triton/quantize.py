@@ -653,10 +653,14 @@ def _scale_value(e):
 
 @triton.jit
 def _dequantize_kernel(
-    code_ptr, scale_ptr, out_ptr, M, N, CP, M_BUCKET, N_BUCKET,
+    code_ptr, scale_ptr, out_ptr, M, N, CP, M_BUCKET, N_BUCKET, flag_ptr,
     ROW: tl.constexpr, SWIZZLED: tl.constexpr, IS_E5M2: tl.constexpr, OUT_BF16: tl.constexpr,
     HW_CVT: tl.constexpr, IDX64: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GUARD: tl.constexpr = False, GUARD_LO: tl.constexpr = 0, GUARD_HI: tl.constexpr = 255,
 ):
+    """Codes times 2^(e-127), rounded once to the output dtype. GUARD: also set *flag_ptr = 1 when a
+    scale byte of the tile lies outside [GUARD_LO, GUARD_HI] or a value is not finite (the MXFP8
+    GEMM's bf16 route uses it to hand such operands to its exact fallback; see gemm.py)."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     tiles_per_batch = tl.cdiv(M, BM) * tiles_n
@@ -687,6 +691,9 @@ def _dequantize_kernel(
         else:
             e = tl.load(scale_ptr + s_off)
         e = e.to(tl.int32)
+        e_ok = (e >= GUARD_LO) & (e <= GUARD_HI)
+        if MASKED:
+            e_ok = e_ok | ~((offs_m[:, None] < M) & (blk[None, :] * 32 < N))
         x = tl.reshape(tl.reshape(v, [BM, BN // 32, 32]) * _scale_value(e)[:, :, None], [BM, BN])
     else:
         mblk = pid_m * (BM // 32) + tl.arange(0, BM // 32)
@@ -699,11 +706,20 @@ def _dequantize_kernel(
         else:
             e = tl.load(scale_ptr + s_off)
         e = e.to(tl.int32)
+        e_ok = (e >= GUARD_LO) & (e <= GUARD_HI)
+        if MASKED:
+            e_ok = e_ok | ~((mblk[:, None] * 32 < M) & (offs_n[None, :] < N))
         x = tl.reshape(tl.reshape(v, [BM // 32, 32, BN]) * _scale_value(e)[:, None, :], [BM, BN])
     # NaN comes only from NaN codes or scale 255 (finite or Inf codes times 2^k never make NaN); spec
     # writes every NaN as the positive quiet NaN
     nan = x != x
     bits = x.to(tl.int32, bitcast=True)
+    if GUARD:
+        # masked-off elements load code 0, which is finite
+        bad_e = tl.sum(tl.sum((~e_ok).to(tl.int32), axis=1), axis=0)
+        bad_x = tl.sum(tl.sum(((bits & 0x7F800000) == 0x7F800000).to(tl.int32), axis=1), axis=0)
+        if bad_e + bad_x > 0:
+            tl.store(flag_ptr, 1)
     if OUT_BF16:
         if HW_CVT:  # cvt.rn.bf16.f32: round to nearest even (subnormals kept)
             out = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.int16, bitcast=True)
@@ -734,6 +750,12 @@ def dequantize_reasons(t, out_dtype="float32") -> List[str]:
 
 @register("mxfp8_dequantize", "triton", check=dequantize_reasons)
 def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
+    return dequantize_launch(t, out_dtype)
+
+
+def dequantize_launch(t: MXTensor, out_dtype="float32", guard=None):
+    """mxfp8_dequantize's kernel; guard = (int32 flag tensor, lo, hi) raises the flag (never clears
+    it) when a scale byte is outside [lo, hi] or a dequantized value is not finite."""
     data = t.data.contiguous()
     shape = tuple(data.shape)
     out = empty_output(shape, _OUT_TORCH[out_dtype], data.device)
@@ -750,7 +772,10 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
         M=m, N=n, CP=t.swizzled_scale_shape[1] if swizzled else 4, M_BUCKET=_bucket(m), N_BUCKET=_bucket(n),
         ROW=t.axis == len(shape) - 1, SWIZZLED=swizzled, IS_E5M2=t.elem == "e5m2",
         OUT_BF16=out_dtype == "bfloat16", HW_CVT=_use_hw_cvt(data.device), IDX64=p * (m + 128) * (n + 128) >= 2**31,
+        flag_ptr=guard[0] if guard is not None else data.view(torch.uint8),
     )
+    if guard is not None:
+        args.update(GUARD=True, GUARD_LO=int(guard[1]), GUARD_HI=int(guard[2]))
 
     def grid(meta):
         return (p * triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)

@@ -1,5 +1,5 @@
-"""Triton mxfp8_gemm cases the shared conformance file does not reach: every kernel (sm90 "tma" and
-"pointer", and the sm100 tl.dot_scaled kernel, which the interpreter runs for its semantics) at pinned
+"""Triton mxfp8_gemm cases the shared conformance file does not reach: every route (sm90 "bf16":
+dequantize + bf16 GEMM with its gated exact fallback, the block kernels "tma" and "pointer", and the sm100 tl.dot_scaled kernel, which the interpreter runs for its semantics) at pinned
 tiles with M / N tails and K not a multiple of BLOCK_K, compact / swizzled / transposed-view scales,
 transposed (K-strided) codes, mixed e4m3 x e5m2, non-finite values, and a random-input bound.
 Outputs are allocated poisoned (0xFF) and compared whole.
@@ -26,7 +26,7 @@ from spec.mxtensor import MXTensor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy under the interpreter: NaN/Inf
 
-VARIANTS = ("pointer", "tma", "dot_scaled")
+VARIANTS = ("bf16", "pointer", "tma", "dot_scaled")
 
 
 @pytest.fixture
@@ -147,6 +147,67 @@ def test_random_within_bound(device, gemm, variant, out_dtype):
     mbits = 24 if out_dtype == "float32" else 8
     ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -126))) - (mbits - 1))
     assert np.all(np.abs(got - want) <= ulp + 2 * k * 2.0 ** -24 * (da @ db.T))
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_bf16_route_guard(device, gemm, elem):
+    # The bf16 route's guard: scale bytes at the ends of BF16_SAFE_SCALE_BYTES keep the flag down, one
+    # byte past either end (or a NaN / Inf value) raises it; the result is spec's bytes either way
+    # (the flag hands the whole GEMM to the exact fallback).
+    from backends.triton.quantize import dequantize_launch
+
+    lo, hi = gemm.BF16_SAFE_SCALE_BYTES[elem]
+    rng = _seed("guard", elem)
+    b = small_int_operand(rng, 40, 64)
+    for byte, raised in ((lo, False), (hi, False), (lo - 1, True), (hi + 1, True), (255, True)):
+        a = small_int_operand(rng, 33, 64, elem=elem)
+        scale, codes = a.scale.copy(), a.data.copy()
+        scale[5, 1] = byte
+        codes[5, :32] = 0  # row 5 is its extreme block alone: fp32 sums of it stay exact in any order
+        a = a.replace(data=codes, scale=scale)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        dequantize_launch(to_torch(a, device), "bfloat16", guard=(flag, lo, hi))
+        assert bool(flag.item()) == raised, f"{elem} scale byte {byte}: flag {flag.item()}"
+        got = _run(gemm, a, b, "float32", device, "bf16")
+        assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "float32"), f"{elem} byte {byte}")
+    codes = a.data.copy()
+    codes[3, 7] = np.float32(np.nan).astype(codes.dtype)
+    a = a.replace(data=codes, scale=np.full_like(a.scale, 127))
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    dequantize_launch(to_torch(a, device), "bfloat16", guard=(flag, lo, hi))
+    assert flag.item() == 1, "a NaN code must raise the guard"
+
+
+class _CudaCodes:
+    """Stands in for a CUDA [32, 32] fp8 tensor where only device, strides and alignment are read."""
+    device = torch.device("cuda", 0)
+
+    def stride(self, dim):
+        return (32, 1)[dim]
+
+    def data_ptr(self):
+        return 1 << 20
+
+    def element_size(self):
+        return 1
+
+
+def test_gemm_variant_default(monkeypatch):
+    # sm90 takes the bf16 route by default, sm89 the block kernel, sm100 dot_scaled; the switch forces.
+    import types
+
+    import backends.triton.gemm as mod
+
+    t = types.SimpleNamespace(data=_CudaCodes())
+    monkeypatch.delenv("MXMLA_TRITON_GEMM_VARIANT", raising=False)
+    monkeypatch.setattr(mod, "interpret_mode", lambda: False)
+    for cc, want in (((9, 0), "bf16"), ((8, 9), "pointer"), ((10, 0), "dot_scaled")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, cc=cc: cc)
+        assert mod.gemm_variant(t, t) == want, cc
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    for forced in ("pointer", "tma", "bf16"):
+        monkeypatch.setenv("MXMLA_TRITON_GEMM_VARIANT", forced)
+        assert mod.gemm_variant(t, t) == forced
 
 
 @pytest.mark.gpu
