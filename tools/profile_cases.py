@@ -4,6 +4,7 @@
     python tools/profile_cases.py host [--tokens 1024]       # where a Triton quantize call's host time goes
     python tools/profile_cases.py mla_q_parts [--tokens 4096,16384]  # the fused op's time by epilogue part
     python tools/profile_cases.py cudnn_host                 # the cudnn attention wrapper's host time by step
+    python tools/profile_cases.py attn_dequant [--tokens 4096]  # MXFP8 attention's k, v pre-pass: two kernels
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -112,6 +113,47 @@ def mla_q_parts(token_list) -> None:
                   f"maxnreg {cfg.maxnreg}: " + "  ".join(f"{p} {t:.3f} ({t / gemm:.2f}x)" for p, t in parts.items()))
 
 
+def attn_dequant(seq: int = 4096) -> None:
+    """MXFP8 attention forward's k, v pre-pass at B=1, H=128: the attention file's flat dequantize
+    kernel against the quantize file's tiled (autotuned) one, each alone and inside the whole
+    forward, with a device-to-device copy of the same bytes as the bandwidth yardstick."""
+    import triton
+
+    from backends.torch.quantize import mxfp8_quantize
+    from backends.triton import attention as ta
+    from backends.triton.quantize import dequantize_launch
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, seq, 128, 128, device="cuda", generator=g).to(torch.bfloat16)
+    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+    q_mx, k_mx = mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant)
+    v_mx = mxfp8_quantize(v, axis=1, **quant)
+    tiled = lambda t: dequantize_launch(t, "bfloat16")  # noqa: E731
+    flat = ta._dequantize_bf16
+    for name, t in (("k", k_mx), ("v", v_mx)):
+        same = torch.equal(flat(t).view(torch.int16), tiled(t).view(torch.int16))
+        nbytes = t.data.numel() * 3
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t_copy, t_flat, t_tiled = ms(lambda: dst.copy_(src)), ms(lambda: flat(t)), ms(lambda: tiled(t))
+        print(f"{name} {tuple(t.data.shape)}: copy of the same bytes {t_copy:.4f} ms, flat {t_flat:.4f} ms, "
+              f"tiled {t_tiled:.4f} ms; bytes equal {same}")
+    fwd = lambda: ta._forward(q_mx, k_mx, v_mx, True, None, "bshd", None, None, mx_dequant="predequant")  # noqa: E731
+    fwd()
+    t_flat = ms(fwd)
+    ta._dequantize_bf16 = tiled
+    fwd()
+    t_tiled = ms(fwd)
+    ta._dequantize_bf16 = flat
+    t_bf16 = ms(lambda: ta._forward(q, k, v, True, None, "bshd", None, None))
+    print(f"fwd S={seq}: bf16 {t_bf16:.4f} ms; mxfp8 predequant flat {t_flat:.4f} ms, tiled {t_tiled:.4f} ms")
+
+
 def cudnn_host(calls: int = 200) -> None:
     """Host microseconds per step of a cudnn forward cache hit (B1 S128 H8 causal): each step alone in
     a loop of `calls`, best of 5, so the wrapper's share can be cut where it is spent."""
@@ -195,7 +237,7 @@ def host(tokens: int, calls: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host"])
+    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -204,6 +246,8 @@ def main() -> None:
         mla_q(int(args.tokens or 4096))
     elif args.case == "cudnn_host":
         cudnn_host()
+    elif args.case == "attn_dequant":
+        attn_dequant(int(args.tokens or 4096))
     elif args.case == "mla_q_parts":
         mla_q_parts([int(t) for t in (args.tokens or "4096,16384").split(",")])
     else:
