@@ -302,13 +302,14 @@ def measure():
             add_row("fwd", "bf16", "triton", bench_ms(fwd), o, ref_fwd, cudnn["fwd"], ("fwd", "bf16"))
 
         # Forward, MXFP8, both dequantize placements.
-        for mode in ("load", "predequant"):
+        for mode in tri.FWD_MX_DEQUANT_MODES:
             fwd_mx = lambda: tri._forward(q_mx, k_mx, v_mx, causal, None, "bshd", None, None, mx_dequant=mode)  # noqa: E731
             REC.note(f"triton fwd mxfp8 ({mode}) {shape}: first call {first_call_s(fwd_mx):.1f} s")
             for line in tuning_notes(tri._mla_fwd_kernel, f"fwd mxfp8 {mode}"):
                 REC.note(line)
             o_mx, _ = fwd_mx()
-            impl = "triton (dequant in load)" if mode == "load" else "triton (k,v predequant)"
+            impl = {"load": "triton (dequant in load)", "predequant": "triton (k,v predequant)",
+                    "predequant_qkv": "triton (q,k,v predequant)"}[mode]
             add_row("fwd", "mxfp8", impl, bench_ms(fwd_mx), o_mx, ref_fwd_mx,
                     cudnn["fwd"] if lse_fwd is not None else (cudnn_mx or cudnn["fwd"]), ("fwd", "mxfp8"))
 

@@ -92,15 +92,20 @@ def measure():
             add(f"triton mxfp8 [{variant}]", bench_ms(fn), mx_bytes, diff=rel_diff(got, ref))
             del out, got
             if variant == "bf16":  # its parts: the two guarded dequantize passes alone
-                from backends.triton.quantize import dequantize_launch
+                from backends.triton.quantize import dequantize_bf16_flat
 
                 flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
                 lo, hi = triton_gemm.BF16_SAFE_SCALE_BYTES["e4m3"]
-                deq = lambda: (dequantize_launch(a, "bfloat16", guard=(flag, lo, hi)),  # noqa: E731
-                               dequantize_launch(b, "bfloat16", guard=(flag, lo, hi)))
-                deq()
+                deq = lambda: (dequantize_bf16_flat(a, guard=(flag, lo, hi)),  # noqa: E731
+                               dequantize_bf16_flat(b, guard=(flag, lo, hi)))
+                a16, b16 = deq()
                 add("triton mxfp8 [bf16]: its 2 dequantize passes", bench_ms(deq), (M + N) * K * 3 + (M + N) * K // 32,
                     note=f"guard flag {int(flag.item())}")
+                # cuBLAS's speed depends on the data (power: fp8-valued bf16 operands toggle fewer bits
+                # than random bf16), so also the bf16 GEMM on the route's own dequantized operands
+                add("torch.matmul bf16 of the dequantized operands", bench_ms(lambda: torch.matmul(a16, b16.t())),
+                    2 * (M + N) * K + 2 * M * N)
+                del a16, b16
 
         if DEVICE == "cuda" and hasattr(torch, "_scaled_mm"):
             try:

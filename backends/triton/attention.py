@@ -76,13 +76,16 @@ from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
 from ._common import interpret_mode, triton_reasons
+from .quantize import dequantize_bf16_flat
 from ._fpbits import round_f32
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# "load": dequantize MXFP8 k / v tiles inside the attention kernel; "predequant": one pass to bf16
-# before it. benchmarks/bench_attention.py times both.
+# "load": dequantize MXFP8 q / k / v tiles inside the attention kernel; "predequant": k and v by one
+# pass to bf16 before it (q in the load path); "predequant_qkv": all three by the pass.
+# benchmarks/bench_attention.py times all three.
+FWD_MX_DEQUANT_MODES = ("load", "predequant", "predequant_qkv")
 FWD_MX_DEQUANT = "load"
 # "separate": dq from its own kernel (deterministic, recomputes S and dP); "atomic": the dkdv kernel
 # also adds dS k into an fp32 dq buffer with atomics (no recompute; summation order varies run to run).
@@ -614,22 +617,6 @@ def _mla_bwd_dq_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# One-pass MXFP8 -> bf16 dequantize (backward operands; forward k, v under "predequant")
-# --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _mx_dequantize_kernel(X, S, Y, N, INNER: tl.constexpr, BLOCK: tl.constexpr):
-    """Y = bf16(code * 2^(e-127)) for contiguous data viewed as [outer, L, INNER] blocked along L,
-    with contiguous compact scales [outer, L/32, INNER] (D-blocked q, k: INNER = 1)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    codes = tl.load(X + offs, mask=mask, other=0.0)
-    row = offs // INNER  # = outer * L + l; L is a multiple of 32, so row // 32 = outer * L/32 + l // 32
-    sc = tl.load(S + (row // 32) * INNER + (offs - row * INNER), mask=mask, other=127)
-    tl.store(Y + offs, _to_bf16(codes.to(tl.float32) * _e8m0_to_f32(sc)), mask=mask)
-
-
-# --------------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------------
 
@@ -639,17 +626,7 @@ def _compact_scale(t: MXTensor) -> torch.Tensor:
 
 
 def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
-    data = t.data.contiguous()
-    scale = _compact_scale(t).contiguous()
-    out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
-    n = data.numel()
-    if n:
-        inner = 1
-        for size in data.shape[t.axis + 1:]:
-            inner *= size
-        block = 1024
-        _mx_dequantize_kernel[(triton.cdiv(n, block),)](data, scale, out, n, INNER=inner, BLOCK=block)
-    return out
+    return dequantize_bf16_flat(t)
 
 
 def _feature_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -712,11 +689,13 @@ def _scale_value(softmax_scale) -> float:
 
 def _forward(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, mx_dequant=None):
     mode = mx_dequant or FWD_MX_DEQUANT
-    if mode == "predequant":
+    if mode not in FWD_MX_DEQUANT_MODES:
+        raise ValueError(f"FWD_MX_DEQUANT: expected one of {', '.join(FWD_MX_DEQUANT_MODES)}, got {mode!r}")
+    if mode == "predequant_qkv":
+        q = _dequantize_bf16(q) if isinstance(q, MXTensor) else q
+    if mode in ("predequant", "predequant_qkv"):
         k = _dequantize_bf16(k) if isinstance(k, MXTensor) else k
         v = _dequantize_bf16(v) if isinstance(v, MXTensor) else v
-    elif mode != "load":
-        raise ValueError(f"FWD_MX_DEQUANT: expected 'load' or 'predequant', got {mode!r}")
     qd, qs = _operand(q)
     kd, ks = _operand(k)
     vd, vs = _operand(v)

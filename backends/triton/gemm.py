@@ -66,7 +66,7 @@ from ..registry import register
 from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
-from .quantize import dequantize_launch
+from .quantize import dequantize_bf16_flat
 
 __all__ = ["mxfp8_gemm", "mxfp8_gemm_tensors", "scale_offsets"]
 
@@ -485,8 +485,8 @@ def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
     safe range, a NaN or Inf operand): no host sync, CUDA-graph safe, and the same
     products-exact-fp32-sum contract as the block kernels."""
     flag = torch.zeros(1, dtype=torch.int32, device=out.device)
-    a16 = dequantize_launch(a, "bfloat16", guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
-    b16 = dequantize_launch(b, "bfloat16", guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
+    a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
+    b16 = dequantize_bf16_flat(b, guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
     _bf16_matmul(a16, b16, out)
     m, k = a.data.shape
     n = b.data.shape[0]

@@ -64,6 +64,7 @@ from spec.quantize import normalize_axes
 
 from ..registry import register
 from ._common import env_flag, interpret_mode, triton_reasons
+from ._fpbits import round_f32
 from .swizzle import empty_output, swizzle_offset
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -742,6 +743,51 @@ _dequantize_tuned = triton.autotune(
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_tune_bench,
 )(_dequantize_heuristic)
+
+
+@triton.jit
+def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOCK: tl.constexpr,
+                                 IS_E5M2: tl.constexpr, HW_CVT: tl.constexpr,
+                                 GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
+    """Y = RN_bf16(code * 2^(e-127)) for contiguous codes viewed as [outer, L, INNER] blocked along L,
+    contiguous compact scales [outer, L/32, INNER]. One flat 1-D pass (no tiles): a scale byte is
+    re-read per element from L1, so it streams at copy speed. GUARD as in _dequantize_kernel."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    codes = tl.load(X + offs, mask=mask, other=0)
+    row = offs // INNER  # = outer * L + l; L is a multiple of 32, so row // 32 = outer * L/32 + l // 32
+    e = tl.load(S + (row // 32) * INNER + (offs - row * INNER), mask=mask, other=127).to(tl.int32)
+    x = _decode(codes, IS_E5M2, HW_CVT) * _scale_value(e)
+    if GUARD:
+        bits = x.to(tl.int32, bitcast=True)
+        bad = (e < GUARD_LO) | (e > GUARD_HI) | ((bits & 0x7F800000) == 0x7F800000)
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
+            tl.store(flag_ptr, 1)
+    if HW_CVT:  # cvt.rn.bf16.f32
+        y = x.to(tl.bfloat16)
+    else:  # the interpreter's cast truncates: round on the bits
+        y = round_f32(x, tl.bfloat16)
+    tl.store(Y + offs, y, mask=mask)
+
+
+def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
+    """bf16 dequantize of any MXTensor by _dequantize_bf16_flat_kernel (swizzled scales are unswizzled
+    first). guard = (int32 flag tensor, lo, hi) as in dequantize_launch."""
+    from ..torch.swizzle import unswizzle_scales
+
+    data = t.data.contiguous()
+    scale = (unswizzle_scales(t).scale if t.scale_layout == "swizzled" else t.scale).contiguous()
+    out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
+    n = data.numel()
+    if n:
+        inner = math.prod(data.shape[t.axis + 1:])
+        block = 1024
+        flag, lo, hi = guard if guard is not None else (data, 0, 255)
+        _dequantize_bf16_flat_kernel[(triton.cdiv(n, block),)](
+            data.view(torch.uint8), scale, out, n, flag, INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2",
+            HW_CVT=_use_hw_cvt(data.device), GUARD=guard is not None, GUARD_LO=int(lo),
+            GUARD_HI=int(hi))
+    return out
 
 
 def dequantize_reasons(t, out_dtype="float32") -> List[str]:

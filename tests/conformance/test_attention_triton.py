@@ -162,11 +162,12 @@ def test_mxfp8_mixed_with_bf16(target, which):
     _forward_and_backward(target, q, k, v, do, "sbhd", _kw(True, "sbhd"), what=f"mixed {which}")
 
 
+@pytest.mark.parametrize("mode", ["predequant", "predequant_qkv"])
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_mxfp8_predequant_forward(target, layout, monkeypatch):
+def test_mxfp8_predequant_forward(target, layout, mode, monkeypatch):
     from backends.triton import attention as attn
 
-    monkeypatch.setattr(attn, "FWD_MX_DEQUANT", "predequant")
+    monkeypatch.setattr(attn, "FWD_MX_DEQUANT", mode)
     _, device = target
     q, k, v, _ = make_inputs(23, 2, 32, 64, 2, layout)
     q_mx, k_mx = spec.mxfp8_quantize(q, axis=-1), spec.mxfp8_quantize(k, axis=-1)
@@ -176,7 +177,7 @@ def test_mxfp8_predequant_forward(target, layout, monkeypatch):
     kw = _kw(True, layout, cu_q, cu_kv)
     want = spec.mla_attention(q_mx, k_mx, v_mx, **kw)
     got = run_on(target, "mla_attention", *to_torch([q_mx, k_mx, v_mx], device), **_torch_kw(kw, device))
-    check_forward(got, want, BF16_BOUND, f"predequant {layout}", layout)
+    check_forward(got, want, BF16_BOUND, f"{mode} {layout}", layout)
 
 
 def test_mxfp8_nan_scale_block(target):
