@@ -5,6 +5,7 @@
     python tools/profile_cases.py mla_q_parts [--tokens 4096,16384]  # the fused op's time by epilogue part
     python tools/profile_cases.py cudnn_host                 # the cudnn attention wrapper's host time by step
     python tools/profile_cases.py attn_dequant [--tokens 4096]  # MXFP8 attention's k, v pre-pass: two kernels
+    python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K: epilogue or main loop?
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -111,6 +112,39 @@ def mla_q_parts(token_list) -> None:
                     print(f"  {cfg}: {part} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
             print(f"  [{i}] BM{cfg.kwargs['BLOCK_M']} BK{cfg.kwargs['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages} "
                   f"maxnreg {cfg.maxnreg}: " + "  ".join(f"{p} {t:.3f} ({t / gemm:.2f}x)" for p, t in parts.items()))
+
+
+def mla_q_by_k(tokens: int = 16384) -> None:
+    """The Gluon fused forward (plain and warp-specialized) and its main loop alone, against cuBLAS,
+    as K shrinks from DeepSeek's 1536 to 64: at K = 64 the main loop is one step, so the time is the
+    epilogue's (plus launch and tails), which says whether the epilogue or the main loop sets the
+    pace of the ping-pong kernel."""
+    import triton
+
+    from backends.triton import mla_q_gluon as qg
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    heads = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    angle = torch.rand(tokens, 64, device="cuda", generator=g)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    outs = (torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
+            torch.empty(tokens, heads, 6, dtype=torch.uint8, device="cuda"),
+            torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
+            torch.empty(tokens // 32, heads, 192, dtype=torch.uint8, device="cuda"))
+    for k in (64, 256, 1536):
+        x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(heads * 192, k, device="cuda", generator=g) / 40).to(torch.bfloat16)
+        gemm = ms(lambda: torch.matmul(x, w.t()))
+        row = {}
+        for cfg in qg.CONFIGS:
+            tag = f"G{cfg['GROUP_M']}"
+            row[f"plain {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg))
+            row[f"plain mainloop {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
+            row[f"ws {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, warp_specialized=True))
+        print(f"T={tokens} K={k}: cuBLAS {gemm:.4f} ms; " + "; ".join(f"{n} {t:.4f} ({t / gemm:.2f}x)" for n, t in row.items()))
 
 
 def attn_dequant(seq: int = 4096) -> None:
@@ -239,7 +273,7 @@ def host(tokens: int, calls: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant"])
+    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -248,6 +282,8 @@ def main() -> None:
         mla_q(int(args.tokens or 4096))
     elif args.case == "cudnn_host":
         cudnn_host()
+    elif args.case == "mla_q_by_k":
+        mla_q_by_k(int(args.tokens or 16384))
     elif args.case == "attn_dequant":
         attn_dequant(int(args.tokens or 4096))
     elif args.case == "mla_q_parts":

@@ -29,18 +29,25 @@ Kernel design
 - Layouts are strides: a token's row is `b * stride_b + (seq_start + s) * stride_s + h * stride_h`,
   where thd has stride_b = 0 and seq_start = cu_seqlens[b]; bshd / sbhd have seq_start = 0. Only the
   feature stride must be 1. lse is [B, H, S_q] (thd: [H, T_q]), addressed the same way.
-- MXFP8 operands (q, k blocked along D, v blocked along S) are dequantized in the load path:
-  code -> fp32, times 2^(e-127) built from the scale byte's bits (one fp32 multiply, exact: a code has
-  4 significant bits), then -> bf16 for the tensor-core dot. That last conversion is exact whenever
-  the value is at least 2^-130 in magnitude (bf16 keeps 8 significant bits down to 2^-126 and loses
-  them one by one below), hence for every code of a block whose scale byte is >= 6 (e4m3) or >= 13
-  (e5m2); smaller values, never seen in attention inputs, are rounded once (RN) to bf16. Scale byte 255 gives a NaN block, as the spec. q/k scales are loaded as
-  [rows, groups] and broadcast over the 32 features of each group; v scales are rows of
-  [S/32, H, 128] selected by token // 32 (the global token index, so thd blocks may straddle
-  sequences, as in the spec). P is *not* quantized (cuDNN quantizes P to e4m3 with a fixed x16
-  scale): the MXFP8 error is the bf16 path's error. Swizzled scales are unswizzled to compact first.
-  `FWD_MX_DEQUANT = "predequant"` instead dequantizes k and v to bf16 in one pass before the kernel
-  (q stays in the load path): it trades one extra pass over k, v for no per-tile dequantize work.
+- MXFP8 operands (q, k blocked along D, v blocked along S): by default (`FWD_MX_DEQUANT =
+  "predequant_qkv"`) one flat pass per operand dequantizes the codes to bf16
+  (quantize.dequantize_bf16_flat, at device-copy speed) and the bf16 kernel runs on the result.
+  On the H200 at B=1 S=4096 H=128 causal (2026-11-30, tools/profile_cases.py attn_dequant) that is
+  1.66 ms against 1.81 ms with only k, v pre-dequantized ("predequant", q in the load path) and
+  2.81 ms with all three dequantized inside the kernel's loads ("load"): each k / v tile is re-read
+  by every query block, and Triton has to write the dequantized tile back to shared memory for the
+  wgmma (a B operand lives there), so the in-loop version repeats S / BLOCK_M times a conversion the
+  pass does once. The load path stays selectable: code -> fp32, times 2^(e-127) built from the scale
+  byte's bits (one fp32 multiply, exact: a code has 4 significant bits), then -> bf16 for the
+  tensor-core dot. Either way the bf16 value is exact whenever it is at least 2^-130 in magnitude
+  (bf16 keeps 8 significant bits down to 2^-126 and loses them one by one below), hence for every
+  code of a block whose scale byte is >= 6 (e4m3) or >= 13 (e5m2); smaller values, never seen in
+  attention inputs, are rounded once (RN) to bf16, as the spec's dequantize to bf16. Scale byte 255
+  gives a NaN block, as the spec. In the load path q/k scales are loaded as [rows, groups] and
+  broadcast over the 32 features of each group; v scales are rows of [S/32, H, 128] selected by
+  token // 32 (the global token index, so thd blocks may straddle sequences, as in the spec).
+  P is *not* quantized (cuDNN quantizes P to e4m3 with a fixed x16 scale): the MXFP8 error is the
+  bf16 path's error. Swizzled scales are unswizzled to compact first.
 - Backward (FA2 scheme, deterministic): `_mla_bwd_preprocess_kernel` writes D = rowsum(o * do) and
   lse in log2 units (lse2; rows with lse = -inf get +inf so their P is exactly 0). `_mla_bwd_dkdv_kernel`
   owns a block of BLOCK_N keys and loops over query blocks, accumulating dk (two tiles, 128 + 64) and
@@ -86,7 +93,7 @@ LN2 = 0.6931471805599453
 # pass to bf16 before it (q in the load path); "predequant_qkv": all three by the pass.
 # benchmarks/bench_attention.py times all three.
 FWD_MX_DEQUANT_MODES = ("load", "predequant", "predequant_qkv")
-FWD_MX_DEQUANT = "load"
+FWD_MX_DEQUANT = "predequant_qkv"
 # "separate": dq from its own kernel (deterministic, recomputes S and dP); "atomic": the dkdv kernel
 # also adds dS k into an fp32 dq buffer with atomics (no recompute; summation order varies run to run).
 BWD_DQ = "separate"

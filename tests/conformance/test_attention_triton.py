@@ -3,7 +3,7 @@
 - The MXFP8 -> bf16 pre-pass (backward operands, forward "predequant") is byte-equal to
   spec.mxfp8_dequantize(out_dtype="bfloat16") (NaN blocks compared as NaN positions: the GPU writes
   its own NaN bits).
-- MXFP8 variants: e5m2 elements, mixed MXFP8 / bf16 operands, the "predequant" forward mode, a NaN
+- MXFP8 variants: e5m2 elements, mixed MXFP8 / bf16 operands, the three forward dequantize placements, a NaN
   scale block.
 - Strided operands (q, k, v sliced out of one packed buffer; only the feature stride is 1).
 - Extreme shapes: one query, one key, varlen with a sequence that has keys but no queries (its dk, dv
@@ -162,9 +162,10 @@ def test_mxfp8_mixed_with_bf16(target, which):
     _forward_and_backward(target, q, k, v, do, "sbhd", _kw(True, "sbhd"), what=f"mixed {which}")
 
 
-@pytest.mark.parametrize("mode", ["predequant", "predequant_qkv"])
+@pytest.mark.parametrize("mode", ["load", "predequant", "predequant_qkv"])
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
-def test_mxfp8_predequant_forward(target, layout, mode, monkeypatch):
+def test_mxfp8_forward_modes(target, layout, mode, monkeypatch):
+    # Every placement of the MXFP8 dequantize (the default is predequant_qkv; the shared suite covers it)
     from backends.triton import attention as attn
 
     monkeypatch.setattr(attn, "FWD_MX_DEQUANT", mode)
