@@ -113,12 +113,16 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
-    k_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, half_l))
-    cs_rows = rows_h.to(gl.int64)[:, None]
-    cos_l = gl.load(cos_ptr + cs_rows * stride_cos + k_h[None, :]).to(gl.float32)
-    cos_r = gl.load(cos_ptr + cs_rows * stride_cos + (HALF + k_h)[None, :]).to(gl.float32)
-    sin_l = gl.load(sin_ptr + cs_rows * stride_sin + k_h[None, :]).to(gl.float32)
-    sin_r = gl.load(sin_ptr + cs_rows * stride_sin + (HALF + k_h)[None, :]).to(gl.float32)
+    # loaded coalesced (a warp reads 4 whole 128-byte half rows per instruction), then moved to the
+    # row-per-thread layout through shared memory: read row per thread, each load instruction of a
+    # warp would touch 32 rows' lines (ncu: the L1 was the epilogue's bottleneck)
+    flat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rows_c = (m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, flat_l))).to(gl.int64)[:, None]
+    k_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, flat_l))[None, :]
+    cos_l = gl.convert_layout(gl.load(cos_ptr + rows_c * stride_cos + k_c).to(gl.float32), half_l)
+    cos_r = gl.convert_layout(gl.load(cos_ptr + rows_c * stride_cos + (HALF + k_c)).to(gl.float32), half_l)
+    sin_l = gl.convert_layout(gl.load(sin_ptr + rows_c * stride_sin + k_c).to(gl.float32), half_l)
+    sin_r = gl.convert_layout(gl.load(sin_ptr + rows_c * stride_sin + (HALF + k_c)).to(gl.float32), half_l)
     # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
     row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
