@@ -113,16 +113,14 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
-    # loaded coalesced (a warp reads 4 whole 128-byte half rows per instruction), then moved to the
-    # row-per-thread layout through shared memory: read row per thread, each load instruction of a
-    # warp would touch 32 rows' lines (ncu: the L1 was the epilogue's bottleneck)
-    flat_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    # loaded coalesced (a warp reads two whole 256-byte rows per instruction) and moved to the
+    # row-per-thread RoPE layout through rope_f32 below: read row per thread, each load instruction
+    # of a warp touched 32 rows' lines (ncu: the L1 was the epilogue's bottleneck)
+    flat_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     rows_c = (m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, flat_l))).to(gl.int64)[:, None]
-    k_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, flat_l))[None, :]
-    cos_l = gl.convert_layout(gl.load(cos_ptr + rows_c * stride_cos + k_c).to(gl.float32), half_l)
-    cos_r = gl.convert_layout(gl.load(cos_ptr + rows_c * stride_cos + (HALF + k_c)).to(gl.float32), half_l)
-    sin_l = gl.convert_layout(gl.load(sin_ptr + rows_c * stride_sin + k_c).to(gl.float32), half_l)
-    sin_r = gl.convert_layout(gl.load(sin_ptr + rows_c * stride_sin + (HALF + k_c)).to(gl.float32), half_l)
+    k_c = gl.arange(0, ROPE, layout=gl.SliceLayout(0, flat_l))[None, :]
+    cos_c = gl.load(cos_ptr + rows_c * stride_cos + k_c).to(gl.float32)
+    sin_c = gl.load(sin_ptr + rows_c * stride_sin + k_c).to(gl.float32)
     # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
     row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
@@ -148,6 +146,18 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     fence_async_shared()
     tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
     tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
+
+    # cos / sin to the row-per-thread layout, through rope_f32 (free until the RoPE result below)
+    rope_f32.store(cos_c)
+    gl.thread_barrier()
+    cos_l = rope_f32.slice(0, HALF, dim=1).load(half_l)
+    cos_r = rope_f32.slice(HALF, HALF, dim=1).load(half_l)
+    gl.thread_barrier()
+    rope_f32.store(sin_c)
+    gl.thread_barrier()
+    sin_l = rope_f32.slice(0, HALF, dim=1).load(half_l)
+    sin_r = rope_f32.slice(HALF, HALF, dim=1).load(half_l)
+    gl.thread_barrier()
 
     # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
     staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
