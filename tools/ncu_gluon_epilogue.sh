@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the Gluon fused MLA Q forward at K = 64 (the main loop is one step, so the launch is
 # its epilogue): stall reasons and the SASS lines that collect the stall samples.
-#   OUT=dir bash tools/ncu_gluon_epilogue.sh [plain|ws]
+#   OUT=dir NCU_K=64 bash tools/ncu_gluon_epilogue.sh [plain|ws]     (NCU_K: the GEMM depth)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -11,7 +11,7 @@ which=${1:-plain}
 cat > /tmp/ncu_gluon_case.py <<PY
 import torch
 from backends.triton import mla_q_gluon as qg
-t, k, h = 16384, 64, 128
+t, k, h = 16384, ${NCU_K:-64}, 128
 g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(t, k, device="cuda", generator=g).to(torch.bfloat16)
 w = (torch.randn(h * 192, k, device="cuda", generator=g) / 40).to(torch.bfloat16)
@@ -24,33 +24,9 @@ for _ in range(3):
 torch.cuda.synchronize()
 PY
 timeout 240 ncu --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section WarpStateStats --section SourceCounters \
-  --section SpeedOfLight --section Occupancy -f -o "$OUT/gluon_$which" python3 /tmp/ncu_gluon_case.py > "$OUT/ncu_run_$which.txt" 2>&1
+  --section SpeedOfLight --section Occupancy -f -o "$OUT/gluon_${which}_k${NCU_K:-64}" python3 /tmp/ncu_gluon_case.py > "$OUT/ncu_run_$which.txt" 2>&1
 tail -3 "$OUT/ncu_run_$which.txt"
-ncu -i "$OUT/gluon_$which.ncu-rep" --print-summary none > "$OUT/ncu_gluon_$which.txt" 2>&1
-grep -E "Duration|Stall|Warp Cycles|Issue|Occupancy|Eligible|Registers" "$OUT/ncu_gluon_$which.txt" | head -40
-ncu -i "$OUT/gluon_$which.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_$which.csv" 2>/dev/null
-python3 - "$OUT/sass_$which.csv" <<'PY'
-import csv, sys
-rows = list(csv.reader(open(sys.argv[1])))
-head = rows[0]
-print("columns:", [c for c in head][:30])
-def col(name):
-    for i, c in enumerate(head):
-        if c.strip().lower() == name.lower():
-            return i
-    return None
-src = col("Source")
-samp = col("Warp Stall Sampling (All Samples)") or col("Warp Stall Sampling (All Cycles)")
-if samp is None:
-    sys.exit("no sampling column")
-data = []
-for r in rows[1:]:
-    try:
-        data.append((float(r[samp].replace(",", "")), r[src]))
-    except (ValueError, IndexError):
-        pass
-tot = sum(d[0] for d in data) or 1
-print(f"total samples {tot:.0f}")
-for s, line in sorted(data, reverse=True)[:40]:
-    print(f"{100 * s / tot:5.1f}%  {line}")
-PY
+ncu -i "$OUT/gluon_${which}_k${NCU_K:-64}.ncu-rep" --print-summary none > "$OUT/ncu_gluon_${which}_k${NCU_K:-64}.txt" 2>&1
+grep -E "Duration|Stall|Warp Cycles|Issue|Occupancy|Eligible|Registers" "$OUT/ncu_gluon_${which}_k${NCU_K:-64}.txt" | head -40
+ncu -i "$OUT/gluon_${which}_k${NCU_K:-64}.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_${which}_k${NCU_K:-64}.csv" 2>/dev/null
+python3 tools/ncu_sass_top.py "$OUT/sass_${which}_k${NCU_K:-64}.csv" 30
