@@ -147,7 +147,9 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
     tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
 
-    # cos / sin to the row-per-thread layout, through rope_f32 (free until the RoPE result below)
+    # cos / sin to the row-per-thread layout, through rope_f32 (free until the RoPE result below; it
+    # aliases nope_smem, whose last reader, the columnwise pass, is behind this barrier)
+    gl.thread_barrier()
     rope_f32.store(cos_c)
     gl.thread_barrier()
     cos_l = rope_f32.slice(0, HALF, dim=1).load(half_l)
@@ -195,19 +197,22 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
 
 @gluon.jit
 def _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc):
-    """One warpgroup's epilogue buffers (~64 KB): the bf16 staging tiles, the four code boxes, the fp32
-    RoPE tile. Shared layouts picked with gl.bank_conflicts for every store / load of _epilogue (all 0
-    but the rowwise load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 tile likewise."""
+    """One warpgroup's epilogue buffers (48 KB): the bf16 staging tiles, the four code boxes, and the
+    fp32 RoPE tile, which reuses the no-RoPE staging tile's 16 KB (that tile is read for the last
+    time before the RoPE part starts; the space buys the warp-specialized kernel a fourth ring stage).
+    Shared layouts picked with gl.bank_conflicts for every store / load of _epilogue (all 0 but the
+    rowwise load, 1): bf16 tiles XOR-swizzled in 16-byte vectors, the fp32 tile likewise."""
     BM: gl.constexpr = 64
     tile16: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
     tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    return (gl.allocate_shared_memory(gl.bfloat16, [BM, 128], tile16),
+    nope_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, 128], tile16)
+    return (nope_smem,
             gl.allocate_shared_memory(gl.bfloat16, [BM, 64], tile16),
             gl.allocate_shared_memory(gl.uint8, [BM, 128], row_nope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 64], row_rope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 128], col_nope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 64], col_rope_desc.layout),
-            gl.allocate_shared_memory(gl.float32, [BM, 64], tile32))
+            nope_smem._reinterpret(gl.float32, [BM, 64], tile32))
 
 
 @gluon.jit
@@ -406,6 +411,10 @@ def _mla_q_fwd_gluon_ws_kernel(
 # H200 (tools/profile_cases.py mla_q_parts): GROUP_M 64 > 32 > 16 > 8 (main loop 1.10-1.13x cuBLAS at 64,
 # 1.33x at 8: the group's x tiles stay in L2 while 64 / 2 heads' w stream); 3 stages > 2.
 CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
+# The warp-specialized kernel is one program per SM, so its ring alone hides the load latency (ncu, K 1536,
+# 3 stages: the consumers' main loops waited on `ready` a third of the time): 4 stages of 64 or 8 of 32.
+WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8, GROUP_M=32),
+              dict(BLOCK_K=64, STAGES=4, GROUP_M=64))
 
 
 VERIFIED_TRITON = ("3.6.",)  # Gluon is experimental: 3.9 renames the TMA copies and drops
@@ -443,7 +452,7 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
     [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. warp_specialized: the persistent
     producer / ping-pong-consumer kernel -- compiled offline for sm90, NOT yet run on a GPU."""
-    cfg = dict(CONFIGS[0] if config is None else config)
+    cfg = dict((WS_CONFIGS if warp_specialized else CONFIGS)[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
     tokens, k = x.shape

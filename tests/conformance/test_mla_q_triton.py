@@ -130,9 +130,12 @@ def test_forward_gluon_ws_exact_bytes(triton_target, mla, shape):
         want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
     else:
         want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws")
-    _check_mx(got[0], want[0], "q_row")
-    _check_mx(got[1], want[1], "q_col")
+    from backends.triton.mla_q_gluon import WS_CONFIGS
+
+    for cfg in WS_CONFIGS if tokens * heads <= 4096 else WS_CONFIGS[:1]:
+        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws", config=cfg)
+        _check_mx(got[0], want[0], f"q_row {cfg}")
+        _check_mx(got[1], want[1], f"q_col {cfg}")
 
 
 # (T, K, H, BLOCK_M, BLOCK_K, ROPE_SPLIT): token tails (96 = 64 + 32), K tails (96 with 64-wide steps),
