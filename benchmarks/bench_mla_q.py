@@ -122,8 +122,8 @@ def measure(tokens, K, H):
                            flops=flops, bytes=fwd_bytes, **common, **kw)
 
         ref = None
-        for variant in ("gluon", "tma", "pointer"):
-            if variant == "gluon" and triton_mla_q.gluon_reasons(x, w):
+        for variant in ("gluon", "gluon_ws", "tma", "pointer"):
+            if variant.startswith("gluon") and triton_mla_q.gluon_reasons(x, w):
                 REC.note(f"triton fwd [gluon] {shape}: not run ({'; '.join(triton_mla_q.gluon_reasons(x, w))})")
                 continue
             if variant == "tma" and (DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0)):
@@ -131,8 +131,8 @@ def measure(tokens, K, H):
                     continue
             fn = lambda v=variant: triton_mla_q.mla_q_forward_launch(x, w, cos, sin, variant=v)  # noqa: E731
             secs = first_call_s(fn)
-            if variant == "gluon":
-                REC.note(f"triton fwd [gluon] {shape}: first call {secs:.2f} s (compile; fixed config)")
+            if variant.startswith("gluon"):
+                REC.note(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile; fixed config)")
             else:
                 tuner = triton_mla_q._fwd_tma_tuned[False] if variant == "tma" else triton_mla_q._fwd_tuned[False]
                 REC.note(f"triton fwd [{variant}] {shape}: first call {secs:.2f} s (compile + autotune); "

@@ -37,6 +37,8 @@ def cases():
     if not triton_mla_q.gluon_reasons(x128, w128):
         yield "mla_q_uproj_rope_quant (Gluon sm90 kernel)", lambda: triton_mla_q.mla_q_forward_launch(
             x128, w128, cos128, sin128, variant="gluon")
+        yield "mla_q_uproj_rope_quant (Gluon warp-specialized)", lambda: triton_mla_q.mla_q_forward_launch(
+            x128, w128, cos128, sin128, variant="gluon_ws")
     q, k, v = randn(1, 80, 2, 192), randn(1, 80, 2, 192), randn(1, 80, 2, 128)
     yield "mla_attention causal", lambda: dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
 
@@ -46,6 +48,20 @@ def cases():
                             backend="triton")
 
     yield "mla_attention_backward causal", attn_bwd
+    quant = dict(backend="triton")
+    q_mx = dispatch.run("mxfp8_quantize", randn(1, 64, 2, 192), axis=-1, **quant)
+    k_mx = dispatch.run("mxfp8_quantize", randn(1, 64, 2, 192), axis=-1, **quant)
+    v_mx = dispatch.run("mxfp8_quantize", randn(1, 64, 2, 128), axis=1, **quant)  # v blocked along S
+    yield "mla_attention MXFP8 (pre-dequantized q, k, v)", lambda: dispatch.run(
+        "mla_attention", q_mx, k_mx, v_mx, causal=True, backend="triton")
+    a_mx = dispatch.run("mxfp8_quantize", randn(96, 160), axis=-1, **quant)
+    b_mx = dispatch.run("mxfp8_quantize", randn(72, 160), axis=-1, **quant)
+    yield "mxfp8_gemm (bf16 route)", lambda: dispatch.run("mxfp8_gemm", a_mx, b_mx, backend="triton")
+    nan_scale = b_mx.scale.clone()
+    nan_scale[3, 1] = 255
+    b_nan = b_mx.replace(scale=nan_scale)
+    yield "mxfp8_gemm (bf16 route, guard raised: exact fallback)", lambda: dispatch.run(
+        "mxfp8_gemm", a_mx, b_nan, backend="triton")
     yield "rmsnorm_mxfp8", lambda: dispatch.run(
         "rmsnorm_mxfp8", randn(96, 256), randn(256, dtype=torch.float32), backend="triton")
 
