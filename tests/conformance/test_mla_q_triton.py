@@ -84,8 +84,9 @@ def _pinned(device, block_m, block_k, split, kind):
 
 
 def _variant_or_skip(device, variant, kind="bf16"):
-    """Skip a "gluon" case where the Gluon kernel does not run (CPU / interpreter, not sm90, MXFP8)."""
-    if variant != "gluon":
+    """Skip a Gluon case ("gluon", "gluon_ws") where the Gluon kernels do not run (CPU / interpreter,
+    not sm90, MXFP8)."""
+    if not variant.startswith("gluon"):
         return
     if device != "cuda":
         pytest.skip("the Gluon kernel runs on CUDA only (no interpreter)")
@@ -114,16 +115,13 @@ def test_forward_gluon_exact_bytes(triton_target, mla, shape):
         _check_mx(got[1], want[1], f"q_col ({table.__name__} tables)")
 
 
-@pytest.mark.skipif(os.environ.get("MXMLA_TEST_GLUON_WS") != "1",
-                    reason="the warp-specialized Gluon kernel has not run on a GPU yet; a deadlock would stall the "
-                           "suite, so it runs only when asked: MXMLA_TEST_GLUON_WS=1 under a timeout")
 @pytest.mark.parametrize("shape", [(64, 64, 1), (128, 96, 3), (192, 1536, 4), (4096, 1536, 128)],
                          ids=lambda s: "T{}K{}H{}".format(*s))
 def test_forward_gluon_ws_exact_bytes(triton_target, mla, shape):
     # The persistent warp-specialized kernel against spec (exact inputs: any summation order gives spec's
     # bytes), with fewer tiles than SMs, a few per program, and many (T = 4096 x 128 heads).
     device = triton_target[1]
-    _variant_or_skip(device, "gluon")
+    _variant_or_skip(device, "gluon_ws")
     tokens, k, heads = shape
     x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws", shape), tokens, k, heads, "bf16")
     if tokens * heads > 4096:  # spec on the whole DeepSeek width is slow: compare with the Gluon kernel
@@ -188,7 +186,7 @@ def test_forward_strided_x(triton_target, mla, layout):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws"])
 def test_forward_nonfinite_inputs(triton_target, mla, variant):
     # Rows of x holding NaN / +Inf / a huge finite value (q overflows to Inf after bf16 staging), a cos
     # entry NaN: NaN and Inf flow through the GEMM, the staging, RoPE (Inf - Inf, Inf * 0) and both
@@ -206,13 +204,13 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     cos = cos.copy()
     cos[50, 3] = np.nan
     want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    cfg = None if variant == "gluon" else _pinned(device, 64, 32, variant == "tma", "bf16")
+    cfg = None if variant.startswith("gluon") else _pinned(device, 64, 32, variant == "tma", "bf16")
     got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), config=cfg, variant=variant)
     _check_mx(got[0], want[0], "q_row")
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws"])
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_forward_random_within_bound(triton_target, mla, kind, variant):
     device = triton_target[1]
