@@ -2,7 +2,17 @@
 MXTensors a [M, K], b [N, K] blocked along K (compact or swizzled scales, e4m3 or e5m2 elements).
 
 Kernel design
-- sm90 (Hopper; also sm89): one tensor-core tl.dot per 32-wide K block. For every K block b the
+- sm90 default, the "bf16" route (_launch_bf16): a code times its scale is a bf16 value exactly when
+  the scale byte lies in BF16_SAFE_SCALE_BYTES (e4m3 [10, 246], e5m2 [17, 239]), so a and b are
+  dequantized once to bf16 (quantize.dequantize_bf16_flat, a flat pass at ~3 TB/s that also raises a
+  device flag for a byte outside that range or a NaN / Inf value), multiplied by one cuBLAS bf16
+  GEMM with fp32 accumulation (bf16 reduced-precision split-K reductions off for the call), and the
+  exact per-block kernel below is launched persistent and gated on the flag: when it is up, it
+  recomputes every output tile; when it is down (real data), it returns at once. No host sync, so
+  the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96x
+  the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
+  dequantize passes are the difference).
+- The block kernels (sm89; sm90 by name): one tensor-core tl.dot per 32-wide K block. For every K block b the
   program issues one dot of the codes from a zero accumulator (exactly one MX block), giving the
   block's partial sum P_b in fp32, and folds it in on the CUDA cores:
       acc = fma(P_b, 2^(sa[m,b]-127) * 2^(sb[n,b]-127), acc)

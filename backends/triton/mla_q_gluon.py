@@ -15,19 +15,23 @@ tile back from shared memory in a layout where its blocks are thread-local:
   registers (fp32, no FMA: launched with enable_fp_fusion=False), quantizes both rowwise in place and
   writes the fp32 results to shared memory for their columnwise pass;
 - codes leave through shared memory and TMA stores (four boxes per tile, the no-RoPE two before the
-  RoPE work), scales by plain stores; cos / sin loads are issued before the no-RoPE quantization so
-  their latency runs under it.
+  RoPE work), scales by plain stores; cos / sin are loaded coalesced (a warp reads two whole rows)
+  before the no-RoPE quantization, so their latency runs under it, and reach the row-per-thread RoPE
+  layout through the fp32 RoPE tile (ncu: loaded row per thread, every load instruction of a warp
+  touched 32 lines and the L1 bound the epilogue).
 
-Tile: 64 tokens x one head (192 features) per program, one warpgroup (4 warps); the main loop is a
-STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step). ~100 KB of
-shared memory and <= 255 registers, so two programs share an SM and one's epilogue overlaps the
-other's main loop.
+Two kernels share that epilogue (_epilogue, _epilogue_buffers):
+- `gluon`: one 64-token x one-head tile per program, one warpgroup (4 warps); the main loop is a
+  STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step); ~98 KB of
+  shared memory, so two programs share an SM and one's epilogue overlaps the other's main loop.
+- `gluon_ws` (the default): persistent, one program per SM, warp-specialized: a TMA producer warp
+  and two consumer warpgroups that take alternate tiles from one 4-stage ring, each with its own
+  48 KB of epilogue buffers, taking turns on the main loop so one's epilogue runs under the other's
+  MMAs (229.8 KB of shared memory).
 
-Measured (H200, BENCHMARKS.md): 1.63-1.64x the cuBLAS GEMM at T = 4096 / 16384 (Triton kernels
-1.70-1.76x), main loop alone 1.12-1.18x (GROUP_M 64 keeps a group's x tiles in L2), epilogue +0.85 ms
-at T = 16384 that the second CTA on the SM does not hide. Next: persistent and warp-specialized -- a
-TMA producer warp and two consumer warpgroups taking alternate tiles from one ring, so one's epilogue
-runs under the other's MMAs (~224 KB of shared memory with two epilogue regions and a 3-stage ring).
+Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws` 1.27x / 1.33x the cuBLAS GEMM at T = 4096 /
+16384, `gluon` 1.42x / 1.46x (Triton TMA kernel 1.74-1.81x); main loop alone 1.01-1.05x. The rest is
+the epilogue, which still does not fully hide under the other warpgroup's MMAs.
 
 Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
 sm90 (wgmma), Triton 3.6 (VERIFIED_TRITON). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
@@ -288,7 +292,7 @@ def _mla_q_fwd_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# persistent, warp-specialized variant (written and compiled offline for sm90; NOT yet run on a GPU)
+# persistent, warp-specialized variant (the sm90 default; run and byte-checked on the H200, 2026-11-30)
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
 def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
@@ -451,7 +455,7 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
            warp_specialized=False):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
     [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. warp_specialized: the persistent
-    producer / ping-pong-consumer kernel -- compiled offline for sm90, NOT yet run on a GPU."""
+    producer / ping-pong-consumer kernel (its own configs, WS_CONFIGS)."""
     cfg = dict((WS_CONFIGS if warp_specialized else CONFIGS)[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
