@@ -113,8 +113,10 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     gl.thread_barrier()
 
     # cos / sin first: their global-load latency runs under the no-RoPE quantization below
-    pairs2d: gl.constexpr = gl.BlockedLayout([1, ROPE], [32, 1], [4, 1], [1, 0])
-    pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF, 2], [32, 1, 1], [4, 1, 1], [2, 1, 0])
+    # RoPE: half a row (16 pairs) per thread, two threads per row, 64 rows over the 4 warps (no warp
+    # repeats another's rows); a rowwise block's amax is one shuffle between the row's two threads
+    pairs2d: gl.constexpr = gl.BlockedLayout([1, HALF], [16, 2], [4, 1], [1, 0])
+    pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF // 2, 2], [16, 2, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
     # loaded coalesced (a warp reads two whole 256-byte rows per instruction) and moved to the
