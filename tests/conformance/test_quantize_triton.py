@@ -302,6 +302,37 @@ def test_dequantize_every_code_and_scale_byte(device):
             assert_bytes_equal(tq.mxfp8_dequantize(to_torch(t, device), out_dtype), want, f"{elem} {out_dtype}")
 
 
+def _assert_bf16_bytes_nan_positions(got, want, what):
+    g = to_numpy(got).view(np.uint16)
+    w = want.view(np.uint16)
+    g_nan = (g & 0x7FFF) > 0x7F80
+    w_nan = (w & 0x7FFF) > 0x7F80
+    assert np.array_equal(g_nan, w_nan), f"{what}: NaN positions differ"
+    assert_bytes_equal(np.where(g_nan, 0, g), np.where(w_nan, 0, w), what)
+
+
+@pytest.mark.parametrize("layout", ["compact", "swizzled"])
+def test_dequantize_bf16_flat_every_code_and_scale_byte(device, layout):
+    # The flat bf16 pass (attention's pre-pass, the GEMM's bf16 route): every code under every scale
+    # byte, rowwise and columnwise, compact and swizzled scales. Bytes equal spec's bf16 dequantize,
+    # NaN compared by position: on the GPU a NaN lane keeps the hardware's NaN bits (its callers never
+    # return them: attention's NaN stays NaN, the GEMM route's guard hands NaN to the exact fallback).
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    codes = np.tile(np.arange(256, dtype=np.uint8)[:, None], (1, 32 * 8))
+    for elem, dt in (("e4m3", "float8_e4m3fn"), ("e5m2", "float8_e5m2")):
+        data = codes.view(getattr(ml_dtypes, dt))
+        row = MXTensor(data, (np.arange(256 * 8) % 256).astype(np.uint8).reshape(256, 8), 1, elem)
+        col = MXTensor(np.ascontiguousarray(data.T), (np.arange(8 * 256) % 256).astype(np.uint8).reshape(8, 256), 0,
+                       elem)
+        for t, what in ((row, "rowwise"), (col, "columnwise")):
+            if layout == "swizzled":
+                t = spec.swizzle_scales(t)
+            with np.errstate(over="ignore", invalid="ignore"):
+                want = spec.mxfp8_dequantize(t, "bfloat16")
+            _assert_bf16_bytes_nan_positions(dequantize_bf16_flat(to_torch(t, device)), want, f"{elem} {what} {layout}")
+
+
 # --------------------------------------------------------------------------------------------------
 # CUDA only: DeepSeek-V3 sizes, hardware fp8 conversion vs the integer-bit encoder
 # --------------------------------------------------------------------------------------------------
