@@ -476,7 +476,9 @@ def _bf16_matmul(a16: torch.Tensor, b16: torch.Tensor, out: torch.Tensor) -> Non
         return
     flags = torch.backends.cuda.matmul
     prev = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False  # no bf16 split-K partial sums
+    # no bf16 split-K partial sums; the switch is process-wide (restored below), so a matmul that
+    # another thread runs during this call sees it off too
+    flags.allow_bf16_reduced_precision_reduction = False
     try:
         if out.dtype == torch.bfloat16 and out.is_contiguous():
             torch.mm(a16, b16.t(), out=out)
