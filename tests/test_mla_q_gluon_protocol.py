@@ -102,7 +102,9 @@ def _run(tiles, k_steps, stages, turns, seed):
     return log
 
 
-@pytest.mark.parametrize("tiles,k_steps,stages", [(1, 1, 3), (2, 1, 3), (5, 2, 3), (7, 24, 3), (9, 3, 2), (4, 5, 4)])
+# the shipped configs: 4 stages of BLOCK_K 64 (24 k-steps at K = 1536), 8 of BLOCK_K 32 (48 k-steps)
+@pytest.mark.parametrize("tiles,k_steps,stages", [(1, 1, 3), (2, 1, 3), (5, 2, 3), (7, 24, 3), (9, 3, 2), (4, 5, 4),
+                                                  (7, 24, 4), (5, 48, 8), (3, 1, 8)])
 def test_every_step_reads_its_own_fill(tiles, k_steps, stages):
     for seed in range(40):
         log = _run(tiles, k_steps, stages, turns=True, seed=seed)
