@@ -157,7 +157,7 @@ def attn_dequant(seq: int = 4096) -> None:
 
     from backends.torch.quantize import mxfp8_quantize
     from backends.triton import attention as ta
-    from backends.triton.quantize import dequantize_launch
+    from backends.triton.quantize import mxfp8_dequantize
 
     def ms(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100)
@@ -169,7 +169,7 @@ def attn_dequant(seq: int = 4096) -> None:
     quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
     q_mx, k_mx = mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant)
     v_mx = mxfp8_quantize(v, axis=1, **quant)
-    tiled = lambda t: dequantize_launch(t, "bfloat16")  # noqa: E731
+    tiled = lambda t: mxfp8_dequantize(t, "bfloat16")  # noqa: E731
     flat = ta._dequantize_bf16
     for name, t in (("k", k_mx), ("v", v_mx)):
         same = torch.equal(flat(t).view(torch.int16), tiled(t).view(torch.int16))

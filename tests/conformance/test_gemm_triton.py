@@ -154,7 +154,7 @@ def test_bf16_route_guard(device, gemm, elem):
     # The bf16 route's guard: scale bytes at the ends of BF16_SAFE_SCALE_BYTES keep the flag down, one
     # byte past either end (or a NaN / Inf value) raises it; the result is spec's bytes either way
     # (the flag hands the whole GEMM to the exact fallback).
-    from backends.triton.quantize import dequantize_bf16_flat, dequantize_launch
+    from backends.triton.quantize import dequantize_bf16_flat
 
     lo, hi = gemm.BF16_SAFE_SCALE_BYTES[elem]
     rng = _seed("guard", elem)
@@ -165,19 +165,17 @@ def test_bf16_route_guard(device, gemm, elem):
         scale[5, 1] = byte
         codes[5, :32] = 0  # row 5 is its extreme block alone: fp32 sums of it stay exact in any order
         a = a.replace(data=codes, scale=scale)
-        for launch in (dequantize_bf16_flat, lambda t, guard: dequantize_launch(t, "bfloat16", guard=guard)):
-            flag = torch.zeros(1, dtype=torch.int32, device=device)
-            launch(to_torch(a, device), guard=(flag, lo, hi))
-            assert bool(flag.item()) == raised, f"{elem} scale byte {byte}: flag {flag.item()}"
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        dequantize_bf16_flat(to_torch(a, device), guard=(flag, lo, hi))
+        assert bool(flag.item()) == raised, f"{elem} scale byte {byte}: flag {flag.item()}"
         got = _run(gemm, a, b, "float32", device, "bf16")
         assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "float32"), f"{elem} byte {byte}")
     codes = a.data.copy()
     codes[3, 7] = np.float32(np.nan).astype(codes.dtype)
     a = a.replace(data=codes, scale=np.full_like(a.scale, 127))
-    for launch in (dequantize_bf16_flat, lambda t, guard: dequantize_launch(t, "bfloat16", guard=guard)):
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        launch(to_torch(a, device), guard=(flag, lo, hi))
-        assert flag.item() == 1, "a NaN code must raise the guard"
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    dequantize_bf16_flat(to_torch(a, device), guard=(flag, lo, hi))
+    assert flag.item() == 1, "a NaN code must raise the guard"
 
 
 class _CudaCodes:
