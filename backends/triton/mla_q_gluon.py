@@ -11,14 +11,15 @@ tile back from shared memory in a layout where its blocks are thread-local:
 - rowwise (32 features of one token): BlockedLayout size_per_thread [1, 32]; the amax, the scale
   byte and the 32 codes of a block live in one thread, no shuffles;
 - columnwise (32 tokens of one feature): BlockedLayout size_per_thread [32, 2]; likewise;
-- RoPE: each thread reads a whole 64-wide RoPE row (interleaved pairs), computes left and right in
-  registers (fp32, no FMA: launched with enable_fp_fusion=False), quantizes both rowwise in place and
-  writes the fp32 results to shared memory for their columnwise pass;
+- RoPE: two threads per token row, each reading 16 interleaved pairs and computing their left and
+  right outputs in registers (fp32, no FMA: launched with enable_fp_fusion=False); each rowwise RoPE
+  block's amax is one shuffle between the row's two threads; the fp32 results go to shared memory for
+  their columnwise pass;
 - codes leave through shared memory and TMA stores (four boxes per tile, the no-RoPE two before the
   RoPE work), scales by plain stores; cos / sin are loaded coalesced (a warp reads two whole rows)
-  before the no-RoPE quantization, so their latency runs under it, and reach the row-per-thread RoPE
-  layout through the fp32 RoPE tile (ncu: loaded row per thread, every load instruction of a warp
-  touched 32 lines and the L1 bound the epilogue).
+  before the no-RoPE quantization, so their latency runs under it, and reach the RoPE layout
+  through the fp32 RoPE tile (ncu: loaded in the RoPE layout, every load instruction of a warp
+  touched 32 rows' lines and the L1 bound the epilogue).
 
 Two kernels share that epilogue (_epilogue, _epilogue_buffers):
 - `gluon`: one 64-token x one-head tile per program, one warpgroup (4 warps); the main loop is a
@@ -120,8 +121,8 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
     # loaded coalesced (a warp reads two whole 256-byte rows per instruction) and moved to the
-    # row-per-thread RoPE layout through rope_f32 below: read row per thread, each load instruction
-    # of a warp touched 32 rows' lines (ncu: the L1 was the epilogue's bottleneck)
+    # RoPE layout through rope_f32 below: read in that layout, each load instruction of a warp
+    # touched many rows' lines (ncu: the L1 was the epilogue's bottleneck)
     flat_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     rows_c = (m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, flat_l))).to(gl.int64)[:, None]
     k_c = gl.arange(0, ROPE, layout=gl.SliceLayout(0, flat_l))[None, :]
@@ -153,7 +154,7 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
     tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
 
-    # cos / sin to the row-per-thread layout, through rope_f32 (free until the RoPE result below; it
+    # cos / sin to the RoPE layout, through rope_f32 (free until the RoPE result below; it
     # aliases nope_smem, whose last reader, the columnwise pass, is behind this barrier)
     gl.thread_barrier()
     rope_f32.store(cos_c)
@@ -167,7 +168,7 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     sin_r = rope_f32.slice(HALF, HALF, dim=1).load(half_l)
     gl.thread_barrier()
 
-    # RoPE (mla): one thread per token row (warps 2-3 repeat warps 0-1: the RoPE part is a third of q)
+    # RoPE (mla): two threads per token row, 16 pairs each (pairs_l above)
     staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
     even, odd = gl.split(staged.to(gl.float32))
     left = even * cos_l - odd * sin_l

@@ -181,6 +181,14 @@ def test_mxfp8_forward_modes(target, layout, mode, monkeypatch):
     check_forward(got, want, BF16_BOUND, f"{mode} {layout}", layout)
 
 
+def test_forward_mode_typo_raises():
+    # A dequantize placement outside the three names the choices instead of running one of them.
+    from backends.triton import attention as attn
+
+    with pytest.raises(ValueError, match="expected one of load, predequant, predequant_qkv, got 'predequant_kv'"):
+        attn._forward(None, None, None, True, None, "bshd", None, None, mx_dequant="predequant_kv")
+
+
 def test_mxfp8_nan_scale_block(target):
     """Scale byte 255 makes a block NaN: the rows it reaches are NaN, as in spec; the rest are exact."""
     _, device = target
