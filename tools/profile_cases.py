@@ -6,6 +6,7 @@
     python tools/profile_cases.py cudnn_host                 # the cudnn attention wrapper's host time by step
     python tools/profile_cases.py attn_dequant [--tokens 4096]  # MXFP8 attention's k, v pre-pass: two kernels
     python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K: epilogue or main loop?
+    python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -192,6 +193,61 @@ def attn_dequant(seq: int = 4096) -> None:
           + ", ".join(f"{m} {t:.4f} ms" for m, t in times.items()))
 
 
+def attn_fwd_configs(seq: int = 4096) -> None:
+    """The Triton attention forward (B=1, H=128, causal, bf16 and MXFP8 inputs) with each tile
+    configuration forced in turn, with and without the whole-key-block load path (FWD_EVEN_KV),
+    against torch's cuDNN forward with lse timed in the same rounds. Registers / shared memory per
+    configuration decide how many programs share an SM (two 64-row programs overlap one's softmax
+    with the other's tensor-core work), which is what the sweep is for."""
+    import triton
+
+    from backends.torch.quantize import mxfp8_quantize
+    from backends.triton import attention as ta
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import benchlib
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn(1, seq, 128, 128, device="cuda", generator=g).to(torch.bfloat16)
+    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+    q_mx, k_mx = mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant)
+    v_mx = mxfp8_quantize(v, axis=1, **quant)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    cudnn = lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
+        qt, kt, vt, None, True, 0.0, True, False, scale=None)
+    ref_o, _ = ta._forward(q, k, v, True, None, "bshd", None, None)
+    kernel = ta._mla_fwd_kernel
+    shipped = list(kernel.configs)
+    candidates = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+                  (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4)]
+    rows = []
+    try:
+        for even in (True, False):
+            ta.FWD_EVEN_KV = even
+            for bm, bn, w, st in candidates:
+                kernel.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)]
+                kernel.cache.clear()
+                fwd = lambda: ta._forward(q, k, v, True, None, "bshd", None, None)  # noqa: E731
+                fwd_mx = lambda: ta._forward(q_mx, k_mx, v_mx, True, None, "bshd", None, None)  # noqa: E731
+                o, _ = fwd()
+                fwd_mx()
+                same = torch.equal(o.view(torch.int16), ref_o.view(torch.int16))
+                t = benchlib.interleaved_ms({"cudnn": cudnn, "bf16": fwd, "mxfp8": fwd_mx})
+                rows.append((even, bm, bn, w, st, t, same))
+                print(f"even_kv={int(even)} {bm}x{bn} w{w} s{st}: cudnn {t['cudnn']:.4f} bf16 {t['bf16']:.4f} "
+                      f"({t['cudnn'] / t['bf16']:.3f}x) mxfp8 {t['mxfp8']:.4f} ({t['cudnn'] / t['mxfp8']:.3f}x) "
+                      f"o bytes equal to shipped default: {same}", flush=True)
+    finally:
+        kernel.configs = shipped
+        kernel.cache.clear()
+        ta.FWD_EVEN_KV = True
+    best = max(rows, key=lambda r: r[5]["cudnn"] / r[5]["bf16"])
+    print(f"best bf16: even_kv={int(best[0])} {best[1]}x{best[2]} w{best[3]} s{best[4]} "
+          f"{best[5]['cudnn'] / best[5]['bf16']:.3f}x cuDNN")
+
+
 def cudnn_host(calls: int = 200) -> None:
     """Host microseconds per step of a cudnn forward cache hit (B1 S128 H8 causal): each step alone in
     a loop of `calls`, best of 5, so the wrapper's share can be cut where it is spent."""
@@ -275,7 +331,8 @@ def host(tokens: int, calls: int = 200) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k"])
+    ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k",
+                                       "attn_fwd_configs"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -286,6 +343,8 @@ def main() -> None:
         cudnn_host()
     elif args.case == "mla_q_by_k":
         mla_q_by_k(int(args.tokens or 16384))
+    elif args.case == "attn_fwd_configs":
+        attn_fwd_configs(int(args.tokens or 4096))
     elif args.case == "attn_dequant":
         attn_dequant(int(args.tokens or 4096))
     elif args.case == "mla_q_parts":
