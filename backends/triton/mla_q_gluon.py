@@ -113,21 +113,20 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     rope_smem.store(acc_rope.to(gl.bfloat16))
     gl.thread_barrier()
 
-    # cos / sin first: their global-load latency runs under the no-RoPE quantization below
-    # RoPE: half a row (16 pairs) per thread, two threads per row, 64 rows over the 4 warps (no warp
-    # repeats another's rows); a rowwise block's amax is one shuffle between the row's two threads
-    pairs2d: gl.constexpr = gl.BlockedLayout([1, HALF], [16, 2], [4, 1], [1, 0])
-    pairs_l: gl.constexpr = gl.BlockedLayout([1, HALF // 2, 2], [16, 2, 1], [4, 1, 1], [2, 1, 0])
+    # cos / sin first: their global-load latency runs under the no-RoPE quantization below.
+    # RoPE layout: 8 threads per token row, 4 pairs each, so a warp holds 4 whole rows: cos / sin load
+    # straight into it coalesced (a warp instruction reads 4 rows x 128 contiguous bytes), and a rowwise
+    # block's amax is 3 shuffles among the row's 8 threads
+    pairs2d: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    pairs_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
-    # loaded coalesced (a warp reads two whole 256-byte rows per instruction) and moved to the
-    # RoPE layout through rope_f32 below: read in that layout, each load instruction of a warp
-    # touched many rows' lines (ncu: the L1 was the epilogue's bottleneck)
-    flat_l: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-    rows_c = (m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, flat_l))).to(gl.int64)[:, None]
-    k_c = gl.arange(0, ROPE, layout=gl.SliceLayout(0, flat_l))[None, :]
-    cos_c = gl.load(cos_ptr + rows_c * stride_cos + k_c).to(gl.float32)
-    sin_c = gl.load(sin_ptr + rows_c * stride_sin + k_c).to(gl.float32)
+    rows_t = rows_h.to(gl.int64)[:, None]
+    k_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, half_l))[None, :]
+    cos_l = gl.load(cos_ptr + rows_t * stride_cos + k_h).to(gl.float32)
+    cos_r = gl.load(cos_ptr + rows_t * stride_cos + (HALF + k_h)).to(gl.float32)
+    sin_l = gl.load(sin_ptr + rows_t * stride_sin + k_h).to(gl.float32)
+    sin_r = gl.load(sin_ptr + rows_t * stride_sin + (HALF + k_h)).to(gl.float32)
     # rowwise, no-RoPE blocks 0-3: [BM, 4, 32], one block per thread-row
     row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
@@ -154,28 +153,17 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
     tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
 
-    # cos / sin to the RoPE layout, through rope_f32 (free until the RoPE result below; it
-    # aliases nope_smem, whose last reader, the columnwise pass, is behind this barrier)
-    gl.thread_barrier()
-    rope_f32.store(cos_c)
-    gl.thread_barrier()
-    cos_l = rope_f32.slice(0, HALF, dim=1).load(half_l)
-    cos_r = rope_f32.slice(HALF, HALF, dim=1).load(half_l)
-    gl.thread_barrier()
-    rope_f32.store(sin_c)
-    gl.thread_barrier()
-    sin_l = rope_f32.slice(0, HALF, dim=1).load(half_l)
-    sin_r = rope_f32.slice(HALF, HALF, dim=1).load(half_l)
+    # rope_f32 aliases nope_smem, whose last reader is the columnwise pass above
     gl.thread_barrier()
 
-    # RoPE (mla): two threads per token row, 16 pairs each (pairs_l above)
+    # RoPE (mla): 8 threads per token row, 4 pairs each (pairs_l above)
     staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
     even, odd = gl.split(staged.to(gl.float32))
     left = even * cos_l - odd * sin_l
     right = odd * cos_r + even * sin_r
     rope_f32.slice(0, HALF, dim=1).store(left)
     rope_f32.slice(HALF, HALF, dim=1).store(right)
-    # rowwise blocks 4 (left) and 5 (right): thread-local
+    # rowwise blocks 4 (left) and 5 (right): amax over the row's 8 threads
     e_l = _scale_byte(gl.max(gl.abs(left), axis=1))
     e_r = _scale_byte(gl.max(gl.abs(right), axis=1))
     row_rope.slice(0, HALF, dim=1).store(_codes(left, e_l[:, None]))
