@@ -122,9 +122,11 @@ def measure(tokens, K, H):
                            flops=flops, bytes=fwd_bytes, **common, **kw)
 
         ref = None
-        for variant in ("gluon", "gluon_ws", "tma", "pointer"):
+        for variant in ("gluon", "gluon_ws", "gluon_ws128", "tma", "pointer"):
             if variant.startswith("gluon") and triton_mla_q.gluon_reasons(x, w):
                 REC.note(f"triton fwd [gluon] {shape}: not run ({'; '.join(triton_mla_q.gluon_reasons(x, w))})")
+                continue
+            if variant == "gluon_ws128" and T % 128:
                 continue
             if variant == "tma" and (DEVICE != "cuda" or torch.cuda.get_device_capability() < (9, 0)):
                 if not ARGS.smoke:

@@ -1,7 +1,7 @@
 """The slot / phase protocol of the warp-specialized Gluon kernel (backends/triton/mla_q_gluon.py,
 _ws_producer / _ws_consumer), modelled in Python and run under many random interleavings.
 
-The kernel has not run on a GPU yet; what can be checked here is its synchronisation: mbarriers with
+Beside the GPU runs, what is checked here is the synchronisation itself: mbarriers with
 parity waits (a wait passes when the phase of the given parity has completed -- it cannot tell phase n
 from n + 2), one producer filling a STAGES-slot ring in tile order, two consumers taking alternate
 tiles and taking turns on the main loop through `done`. The model follows the kernel's wait / arrive
@@ -35,12 +35,15 @@ class MBarrier:
         return (self.phase & 1) != parity
 
 
-def _actors(tiles: int, k_steps: int, stages: int, turns: bool):
+def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue: bool = False):
     ready = [MBarrier(1) for _ in range(stages)]
     empty = [MBarrier(1) for _ in range(stages)]
     done = [MBarrier(1) for _ in range(2)]
+    epi_done = [MBarrier(1) for _ in range(2)]
     slot_fill = [None] * stages  # which fill (slot counter c) a slot holds
     log = []
+    epi_owner = [None]  # shared_epilogue (_ws128_consumer): who is using the one set of epilogue buffers
+    epi_order = []
 
     def producer():
         c = 0
@@ -76,11 +79,26 @@ def _actors(tiles: int, k_steps: int, stages: int, turns: bool):
             empty[(c0 + k_steps - 1) % stages].arrive()
             if turns:
                 done[cid].arrive()
-            yield  # the epilogue
+            if shared_epilogue:
+                if cid == 0:
+                    while n > 0 and not epi_done[1].passes((n + 1) & 1):
+                        yield
+                else:
+                    while not epi_done[0].passes(n & 1):
+                        yield
+                assert epi_owner[0] is None, f"consumer {cid} entered the epilogue buffers of {epi_owner[0]}"
+                epi_owner[0] = cid
+                epi_order.append(cid)
+                yield  # the epilogue, then tma.store_wait(0)
+                epi_owner[0] = None
+                epi_done[cid].arrive()
+            else:
+                yield  # the epilogue
             j += 2
             n += 1
 
-    return [producer(), consumer(0), consumer(1)], log
+    actors = [producer(), consumer(0), consumer(1)]
+    return (actors, log, epi_order) if shared_epilogue else (actors, log)
 
 
 def _run(tiles, k_steps, stages, turns, seed):
@@ -123,3 +141,26 @@ def test_without_turns_a_consumer_reads_a_stale_fill():
             continue
         stale |= any(got != want for _, want, got in log)
     assert stale
+
+
+@pytest.mark.parametrize("tiles,k_steps,stages", [(1, 1, 3), (2, 1, 3), (5, 2, 3), (7, 24, 3), (6, 48, 6), (9, 3, 2)])
+def test_shared_epilogue_buffers_alternate(tiles, k_steps, stages):
+    # _ws128_consumer: both warpgroups use one set of epilogue buffers, taken in turn through epi_done
+    # (the ring's checks hold as before; 3 stages of BLOCK_K 64 and 6 of BLOCK_K 32 are the shipped rings)
+    for seed in range(40):
+        actors, log, order = _actors(tiles, k_steps, stages, turns=True, shared_epilogue=True)
+        rng = random.Random(seed)
+        live, idle = list(actors), 0
+        while live:
+            actor = rng.choice(live)
+            before = len(log) + len(order)
+            try:
+                next(actor)
+            except StopIteration:
+                live.remove(actor)
+                idle = 0
+                continue
+            idle = idle + 1 if len(log) + len(order) == before else 0
+            assert idle < 100_000, "deadlock"
+        assert all(got == want for _, want, got in log)
+        assert order == [t % 2 for t in range(tiles)]

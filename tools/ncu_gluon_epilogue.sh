@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the Gluon fused MLA Q forward at K = 64 (the main loop is one step, so the launch is
 # its epilogue): stall reasons and the SASS lines that collect the stall samples.
-#   OUT=dir NCU_K=64 bash tools/ncu_gluon_epilogue.sh [plain|ws]     (NCU_K: the GEMM depth)
+#   OUT=dir NCU_K=64 bash tools/ncu_gluon_epilogue.sh [plain|ws|ws128]     (NCU_K: the GEMM depth)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -20,7 +20,7 @@ cos, sin = torch.cos(a), torch.sin(a)
 outs = (torch.empty(t, h, 192, dtype=torch.uint8, device="cuda"), torch.empty(t, h, 6, dtype=torch.uint8, device="cuda"),
         torch.empty(t, h, 192, dtype=torch.uint8, device="cuda"), torch.empty(t // 32, h, 192, dtype=torch.uint8, device="cuda"))
 for _ in range(3):
-    qg.launch(x, w, cos, sin, *outs, warp_specialized="$which" == "ws")
+    qg.launch(x, w, cos, sin, *outs, kind="$which")
 torch.cuda.synchronize()
 PY
 timeout 240 ncu --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section WarpStateStats --section SourceCounters \

@@ -561,6 +561,10 @@ def gluon_reasons(x, w) -> List[str]:
     return mla_q_gluon.gluon_reasons(x, w)
 
 
+# mla_q_forward_launch's Gluon variants -> mla_q_gluon.launch's kinds
+_GLUON_KIND = {"gluon": "plain", "gluon_ws": "ws", "gluon_ws128": "ws128"}
+
+
 def forward_variant(x, w) -> str:
     """"gluon", "gluon_ws", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (gluon | gluon_ws | tma |
     pointer | auto, default auto) decides. auto: the persistent warp-specialized Gluon kernel on sm90
@@ -568,10 +572,12 @@ def forward_variant(x, w) -> str:
     at T = 4096 / 16384 against 1.42x / 1.46x for the one-tile-per-program "gluon"), else TMA on
     sm90+ when both operands qualify, else the pointer kernel (the interpreter runs the Triton
     kernels when asked). An explicit choice the operands cannot take raises, naming the reasons."""
-    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "gluon_ws", "tma", "pointer"), "auto")
+    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto",) + tuple(_GLUON_KIND) + ("tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
-    if choice in ("gluon", "gluon_ws"):
+    if choice in _GLUON_KIND:
         reasons = gluon_reasons(x, w)
+        if choice == "gluon_ws128" and xd.shape[0] % 128:
+            reasons.append(f"gluon_ws128 needs tokens % 128 == 0, got {xd.shape[0]}")
         if reasons:
             raise ValueError(f"MXMLA_TRITON_MLA_Q_VARIANT={choice}: " + "; ".join(reasons))
         return choice
@@ -617,14 +623,16 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
         return q_row, q_col
     variant = variant or forward_variant(x, w)
     cos, sin = _unit_last(cos), _unit_last(sin)
-    if variant in ("gluon", "gluon_ws"):
+    if variant in _GLUON_KIND:
         reasons = gluon_reasons(x, w)
+        if variant == "gluon_ws128" and tokens % 128:
+            reasons.append(f"gluon_ws128 needs tokens % 128 == 0, got {tokens}")
         if reasons:
             raise ValueError(f"variant={variant!r}: " + "; ".join(reasons))
         from . import mla_q_gluon
 
         mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
-                           col_scale, config=config, warp_specialized=variant == "gluon_ws")
+                           col_scale, config=config, kind=_GLUON_KIND[variant])
         return q_row, q_col
     if mx:
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)

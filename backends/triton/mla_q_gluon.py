@@ -112,6 +112,22 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     nope_smem.store(acc_nope.to(gl.bfloat16))
     rope_smem.store(acc_rope.to(gl.bfloat16))
     gl.thread_barrier()
+    _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+                     row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                     col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin)
+
+
+@gluon.jit
+def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
+                     row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                     col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin):
+    """_epilogue after the bf16 staging: q of the tile (64 tokens from m0, head's 192 features from n0)
+    is in nope_smem / rope_smem, written and behind a barrier."""
+    BM: gl.constexpr = 64
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    HALF: gl.constexpr = 32
+    HEAD: gl.constexpr = 192
 
     # cos / sin first: their global-load latency runs under the no-RoPE quantization below.
     # RoPE layout: 8 threads per token row, 4 pairs each, so a warp holds 4 whole rows: cos / sin load
@@ -286,18 +302,18 @@ def _mla_q_fwd_gluon_kernel(
 # persistent, warp-specialized variant (the sm90 default; run and byte-checked on the H200, 2026-11-30)
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
-                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """One warp: TMA loads of every k-step of this program's tiles, in tile order, into the ring."""
-    BM: gl.constexpr = 64
+def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, xb_ring, wn_ring, wr_ring, ready, empty, T, K, H,
+                 BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, TILE_M: gl.constexpr):
+    """One warp: TMA loads of every k-step of this program's tiles, in tile order, into the ring. A
+    128-token tile (TILE_M 128) loads its x rows as two 64-row boxes, x_ring and xb_ring."""
     NOPE: gl.constexpr = 128
-    nbytes: gl.constexpr = (BM + 192) * BLOCK_K * 2
-    num_m = gl.cdiv(T, BM)
+    nbytes: gl.constexpr = (TILE_M + 192) * BLOCK_K * 2
+    num_m = gl.cdiv(T, TILE_M)
     k_steps = gl.cdiv(K, BLOCK_K)
     c = 0
     for tile in range(gl.program_id(0), num_m * H, gl.num_programs(0)):
         pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
-        m0 = pid_m * BM
+        m0 = pid_m * TILE_M
         n0 = head * 192
         for kk in range(k_steps):
             s = c % STAGES
@@ -305,6 +321,8 @@ def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empt
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(x_desc, [m0, kk * BLOCK_K], ready.index(s), x_ring.index(s))
+            if TILE_M == 128:
+                tma.async_copy_global_to_shared(x_desc, [m0 + 64, kk * BLOCK_K], ready.index(s), xb_ring.index(s))
             tma.async_copy_global_to_shared(wn_desc, [n0, kk * BLOCK_K], ready.index(s), wn_ring.index(s))
             tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, kk * BLOCK_K], ready.index(s), wr_ring.index(s))
             c += 1
@@ -395,8 +413,129 @@ def _mla_q_fwd_gluon_ws_kernel(
     gl.warp_specialize([
         (_ws_consumer, (0,) + ring + bufs_a + rest),
         (_ws_consumer, (1,) + ring + bufs_b + rest),
-        (_ws_producer, (x_desc, wn_desc, wr_desc, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
-                        BLOCK_K, STAGES, GROUP_M)),
+        (_ws_producer, (x_desc, wn_desc, wr_desc, x_ring, x_ring, wn_ring, wr_ring, ready, empty, T, K, H,
+                        BLOCK_K, STAGES, GROUP_M, 64)),
+    ], [4, 1], [232, 40])
+
+
+# --------------------------------------------------------------------------------------------------
+# persistent, warp-specialized, 128-token tiles
+# --------------------------------------------------------------------------------------------------
+# Why: the 64-token kernels read 64 bytes of x and w from L2 per output element ((64 + 192) x K x 2 bytes
+# for 64 x 192 outputs), and ncu of gluon_ws at K = 1536 put L2 at 69 % of its throughput (at ncu's locked
+# clocks; the main loop alone already runs 1.07x cuBLAS). A 128-token tile reads (128 + 192) x K x 2
+# for 128 x 192 outputs: 40 bytes. Each consumer warpgroup holds the whole tile's accumulators (two
+# 64-row halves: 192 fp32 registers a thread); the two warpgroups still take turns on the main loop,
+# and share one set of epilogue buffers (96 KB), taken in the same alternation, so the ring keeps
+# 3 x 40 KB.
+@gluon.jit
+def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready, empty, done, epi_done,
+                    nope_a, rope_a, row_nope_a, row_rope_a, col_nope_a, col_rope_a, rope_f32_a,
+                    nope_b, rope_b, row_nope_b, row_rope_b, col_nope_b, col_rope_b, rope_f32_b,
+                    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                    col_scale_ptr, T, K, H, stride_cos, stride_sin,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warpgroup: this program's 128-token tiles CID, CID + 2, ...: the main loop (four wgmma per
+    k-step: rows 0-63 and 64-127 by the no-RoPE and RoPE columns) in turn with the other warpgroup
+    (`done`, as _ws_consumer), then, in turn again (`epi_done`: the buffers are shared), both halves
+    staged to bf16 and each half's epilogue. The turn waits have the same one-phase argument as
+    _ws_consumer's: a warpgroup cannot be two epilogues ahead of the other."""
+    TILE: gl.constexpr = 128
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    num_m = gl.cdiv(T, TILE)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
+    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
+    nprog = gl.num_programs(0)
+    j = CID
+    n = 0
+    for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
+        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        if CID == 0:
+            mbarrier.wait(done.index(1), (n + 1) & 1, pred=n > 0)
+        else:
+            mbarrier.wait(done.index(0), n & 1)
+        acc_na = gl.zeros([64, NOPE], gl.float32, mma_nope)
+        acc_ra = gl.zeros([64, ROPE], gl.float32, mma_rope)
+        acc_nb = gl.zeros([64, NOPE], gl.float32, mma_nope)
+        acc_rb = gl.zeros([64, ROPE], gl.float32, mma_rope)
+        c0 = j * k_steps
+        for kk in range(k_steps):
+            c = c0 + kk
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            wn = wn_ring.index(s).permute((1, 0))
+            wr = wr_ring.index(s).permute((1, 0))
+            acc_na = warpgroup_mma(xa_ring.index(s), wn, acc_na, is_async=True)
+            acc_ra = warpgroup_mma(xa_ring.index(s), wr, acc_ra, is_async=True)
+            acc_nb = warpgroup_mma(xb_ring.index(s), wn, acc_nb, is_async=True)
+            acc_rb = warpgroup_mma(xb_ring.index(s), wr, acc_rb, is_async=True)
+            acc_na, acc_ra, acc_nb, acc_rb = warpgroup_mma_wait(num_outstanding=4,
+                                                                deps=(acc_na, acc_ra, acc_nb, acc_rb))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
+        acc_na, acc_ra, acc_nb, acc_rb = warpgroup_mma_wait(num_outstanding=0, deps=(acc_na, acc_ra, acc_nb, acc_rb))
+        mbarrier.arrive(empty.index((c0 + k_steps - 1) % STAGES))
+        mbarrier.arrive(done.index(CID))
+        # the shared epilogue buffers: after the other warpgroup's previous epilogue (its TMA stores drained)
+        if CID == 0:
+            mbarrier.wait(epi_done.index(1), (n + 1) & 1, pred=n > 0)
+        else:
+            mbarrier.wait(epi_done.index(0), n & 1)
+        nope_a.store(acc_na.to(gl.bfloat16))
+        rope_a.store(acc_ra.to(gl.bfloat16))
+        nope_b.store(acc_nb.to(gl.bfloat16))
+        rope_b.store(acc_rb.to(gl.bfloat16))
+        gl.thread_barrier()
+        m0 = pid_m * TILE
+        n0 = head * 192
+        _epilogue_staged(nope_a, rope_a, row_nope_a, row_rope_a, col_nope_a, col_rope_a, rope_f32_a,
+                         row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                         col_scale_ptr, m0, n0, pid_m * 2, head, H, stride_cos, stride_sin)
+        _epilogue_staged(nope_b, rope_b, row_nope_b, row_rope_b, col_nope_b, col_rope_b, rope_f32_b,
+                         row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                         col_scale_ptr, m0 + 64, n0, pid_m * 2 + 1, head, H, stride_cos, stride_sin)
+        tma.store_wait(0)
+        mbarrier.arrive(epi_done.index(CID))
+        j += 2
+        n += 1
+
+
+@gluon.jit
+def _mla_q_fwd_gluon_ws128_kernel(
+    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
+    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
+    T, K, H, stride_cos, stride_sin,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+):
+    """Persistent, one program per SM: a TMA producer warp and two consumer warpgroups taking alternate
+    128-token tiles (T % 128 == 0)."""
+    NOPE: gl.constexpr = 128
+    ROPE: gl.constexpr = 64
+    xa_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, BLOCK_K], x_desc.layout)
+    xb_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, BLOCK_K], x_desc.layout)
+    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
+    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    epi_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(STAGES):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(empty.index(j), count=1)
+    for j in gl.static_range(2):
+        mbarrier.init(done.index(j), count=1)
+        mbarrier.init(epi_done.index(j), count=1)
+    bufs_a = _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
+    bufs_b = _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
+    rest = (row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
+            col_scale_ptr, T, K, H, stride_cos, stride_sin, BLOCK_K, STAGES, GROUP_M)
+    ring = (xa_ring, xb_ring, wn_ring, wr_ring, ready, empty, done, epi_done)
+    gl.warp_specialize([
+        (_ws128_consumer, (0,) + ring + bufs_a + bufs_b + rest),
+        (_ws128_consumer, (1,) + ring + bufs_a + bufs_b + rest),
+        (_ws_producer, (x_desc, wn_desc, wr_desc, xa_ring, xb_ring, wn_ring, wr_ring, ready, empty, T, K, H,
+                        BLOCK_K, STAGES, GROUP_M, 128)),
     ], [4, 1], [232, 40])
 
 
@@ -410,6 +549,11 @@ CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=3, GR
 # 3 stages: the consumers' main loops waited on `ready` a third of the time): 4 stages of 64 or 8 of 32.
 WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8, GROUP_M=32),
               dict(BLOCK_K=64, STAGES=4, GROUP_M=64))
+# 128-token tiles: a ring stage is 40 KB at BLOCK_K 64 (3 fit beside the 96 KB of epilogue buffers).
+# GROUP_M counts 128-token tiles: 16 keeps the same 2048 tokens of x in L2 as the 64-token kernels' 32.
+WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
+                 dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
+KINDS = ("plain", "ws", "ws128")
 
 
 VERIFIED_TRITON = ("3.6.",)  # Gluon is experimental: 3.9 renames the TMA copies and drops
@@ -443,13 +587,19 @@ def _desc(t, block):
 
 
 def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False,
-           warp_specialized=False):
+           kind="plain"):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
-    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. warp_specialized: the persistent
-    producer / ping-pong-consumer kernel (its own configs, WS_CONFIGS)."""
-    cfg = dict((WS_CONFIGS if warp_specialized else CONFIGS)[0] if config is None else config)
+    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. kind: "plain" (one 64-token tile per
+    program, CONFIGS), "ws" (persistent producer / ping-pong consumers, WS_CONFIGS) or "ws128" (the
+    same with 128-token tiles, WS128_CONFIGS; T % 128 == 0)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
+    table = {"plain": CONFIGS, "ws": WS_CONFIGS, "ws128": WS128_CONFIGS}[kind]
+    cfg = dict(table[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
+    if kind == "ws128" and x.shape[0] % 128:
+        raise ValueError(f"x: kind 'ws128' needs tokens % 128 == 0, got {x.shape[0]}")
     tokens, k = x.shape
     heads = w.shape[0] // _HEAD
     bk = cfg["BLOCK_K"]
@@ -460,11 +610,14 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
             _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
             tokens, k, heads, cos.stride(0), sin.stride(0))
     tiles = triton.cdiv(tokens, BLOCK_M) * heads
-    if warp_specialized:
+    if kind != "plain":
         if mainloop_only:
-            raise ValueError("mainloop_only: the warp-specialized kernel has no main-loop-only mode")
+            raise ValueError("mainloop_only: the warp-specialized kernels have no main-loop-only mode")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        _mla_q_fwd_gluon_ws_kernel[(min(sms, tiles),)](
+        kernel = _mla_q_fwd_gluon_ws_kernel
+        if kind == "ws128":
+            kernel, tiles = _mla_q_fwd_gluon_ws128_kernel, tiles // 2
+        kernel[(min(sms, tiles),)](
             *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
             num_warps=NUM_WARPS, enable_fp_fusion=False)
         return

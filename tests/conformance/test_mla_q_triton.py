@@ -136,6 +136,35 @@ def test_forward_gluon_ws_exact_bytes(triton_target, mla, shape):
         _check_mx(got[1], want[1], f"q_col {cfg}")
 
 
+@pytest.mark.parametrize("shape", [(128, 64, 1), (256, 96, 3), (384, 1536, 4), (4096, 1536, 128)],
+                         ids=lambda s: "T{}K{}H{}".format(*s))
+def test_forward_gluon_ws128_exact_bytes(triton_target, mla, shape):
+    # The 128-token warp-specialized kernel: fewer tiles than SMs, one or several per warpgroup (its
+    # turn and shared-buffer barriers), K tails, and the DeepSeek width against the one-tile kernel.
+    device = triton_target[1]
+    _variant_or_skip(device, "gluon_ws128")
+    tokens, k, heads = shape
+    x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws128", shape), tokens, k, heads, "bf16")
+    if tokens * heads > 4096:
+        want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
+    else:
+        want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
+    from backends.triton.mla_q_gluon import WS128_CONFIGS
+
+    for cfg in WS128_CONFIGS if tokens * heads <= 4096 else WS128_CONFIGS[:1]:
+        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws128", config=cfg)
+        _check_mx(got[0], want[0], f"q_row {cfg}")
+        _check_mx(got[1], want[1], f"q_col {cfg}")
+
+
+def test_gluon_ws128_rejects_a_token_tail(triton_target, mla):
+    device = triton_target[1]
+    _variant_or_skip(device, "gluon_ws")
+    x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws128-tail"), 192, 64, 1, "bf16")
+    with pytest.raises(ValueError, match="tokens % 128"):
+        mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws128")
+
+
 # (T, K, H, BLOCK_M, BLOCK_K, ROPE_SPLIT): token tails (96 = 64 + 32), K tails (96 with 64-wide steps),
 # 32-row tiles (one columnwise block per program), both RoPE variants.
 _TILES = [
