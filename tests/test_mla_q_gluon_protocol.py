@@ -76,8 +76,11 @@ def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue:
                 yield
                 if kk > 0:
                     empty[(c + stages - 1) % stages].arrive()
+            if shared_epilogue and turns:  # _ws128_consumer hands the turn over before its last release
+                done[cid].arrive()
+                yield
             empty[(c0 + k_steps - 1) % stages].arrive()
-            if turns:
+            if turns and not shared_epilogue:
                 done[cid].arrive()
             if shared_epilogue:
                 if cid == 0:

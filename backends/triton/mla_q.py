@@ -566,12 +566,13 @@ _GLUON_KIND = {"gluon": "plain", "gluon_ws": "ws", "gluon_ws128": "ws128"}
 
 
 def forward_variant(x, w) -> str:
-    """"gluon", "gluon_ws", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (gluon | gluon_ws | tma |
-    pointer | auto, default auto) decides. auto: the persistent warp-specialized Gluon kernel on sm90
-    for a bf16 projection it accepts (gluon_reasons; H200, 2026-11-30: 1.27x / 1.34x the cuBLAS GEMM
-    at T = 4096 / 16384 against 1.42x / 1.46x for the one-tile-per-program "gluon"), else TMA on
-    sm90+ when both operands qualify, else the pointer kernel (the interpreter runs the Triton
-    kernels when asked). An explicit choice the operands cannot take raises, naming the reasons."""
+    """"gluon_ws128", "gluon_ws", "gluon", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (one of those
+    or auto, default auto) decides. auto: on sm90, for a bf16 projection the Gluon kernels accept
+    (gluon_reasons), the persistent warp-specialized kernel on 128-token tiles when T % 128 == 0, else
+    its 64-token form (H200, 2026-11-30, tools/profile_cases.py mla_q_by_k: 1.15x / 1.18x the cuBLAS
+    GEMM at T = 16384 / 4096 against 1.26x / 1.26x); else TMA on sm90+ when both operands qualify,
+    else the pointer kernel (the interpreter runs the Triton kernels when asked). An explicit choice
+    the operands cannot take raises, naming the reasons."""
     choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto",) + tuple(_GLUON_KIND) + ("tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
     if choice in _GLUON_KIND:
@@ -589,7 +590,7 @@ def forward_variant(x, w) -> str:
     if interpret_mode() or xd.device.type != "cuda":
         return "pointer"
     if not gluon_reasons(x, w):
-        return "gluon_ws"
+        return "gluon_ws128" if xd.shape[0] % 128 == 0 else "gluon_ws"
     return "tma" if torch.cuda.get_device_capability(xd.device) >= (9, 0) else "pointer"
 
 

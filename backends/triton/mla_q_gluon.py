@@ -474,9 +474,12 @@ def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready
             acc_na, acc_ra, acc_nb, acc_rb = warpgroup_mma_wait(num_outstanding=4,
                                                                 deps=(acc_na, acc_ra, acc_nb, acc_rb))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), pred=kk > 0)
+        # the other warpgroup's turn starts as soon as the last MMAs are issued, so its first MMAs queue
+        # behind them (no tensor-core gap for the drain and the barrier round trip); every fill its first
+        # steps wait for is at most one phase old, as the last slots of this tile have all been waited on
+        mbarrier.arrive(done.index(CID))
         acc_na, acc_ra, acc_nb, acc_rb = warpgroup_mma_wait(num_outstanding=0, deps=(acc_na, acc_ra, acc_nb, acc_rb))
         mbarrier.arrive(empty.index((c0 + k_steps - 1) % STAGES))
-        mbarrier.arrive(done.index(CID))
         # the shared epilogue buffers: after the other warpgroup's previous epilogue (its TMA stores drained)
         if CID == 0:
             mbarrier.wait(epi_done.index(1), (n + 1) & 1, pred=n > 0)

@@ -84,7 +84,7 @@ def _pinned(device, block_m, block_k, split, kind):
 
 
 def _variant_or_skip(device, variant, kind="bf16"):
-    """Skip a Gluon case ("gluon", "gluon_ws") where the Gluon kernels do not run (CPU / interpreter,
+    """Skip a Gluon case ("gluon", "gluon_ws", "gluon_ws128") where the Gluon kernels do not run (CPU / interpreter,
     not sm90, MXFP8)."""
     if not variant.startswith("gluon"):
         return
@@ -215,7 +215,7 @@ def test_forward_strided_x(triton_target, mla, layout):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws", "gluon_ws128"])
 def test_forward_nonfinite_inputs(triton_target, mla, variant):
     # Rows of x holding NaN / +Inf / a huge finite value (q overflows to Inf after bf16 staging), a cos
     # entry NaN: NaN and Inf flow through the GEMM, the staging, RoPE (Inf - Inf, Inf * 0) and both
@@ -223,7 +223,7 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     device = triton_target[1]
     _variant_or_skip(device, variant)
     rng = _seed("fwd-nonfinite")
-    x, w, cos, sin = _exact_inputs(rng, 64, 64, 2, "bf16")
+    x, w, cos, sin = _exact_inputs(rng, 128 if variant == "gluon_ws128" else 64, 64, 2, "bf16")
     x = x.astype(np.float32)
     x[3, 5] = np.nan
     x[7, :] = 0.0
@@ -239,7 +239,7 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws", "gluon_ws128"])
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_forward_random_within_bound(triton_target, mla, kind, variant):
     device = triton_target[1]
