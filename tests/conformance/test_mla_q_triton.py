@@ -364,7 +364,7 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
     with pytest.raises(ValueError, match="MXMLA_TRITON_MLA_Q_VARIANT=gluon: .*CUDA only"):
         mod.forward_variant(x, x)
     monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluonn")
-    with pytest.raises(ValueError, match="expected one of auto, gluon, gluon_ws, tma, pointer"):
+    with pytest.raises(ValueError, match="expected one of auto, gluon, gluon_ws, gluon_ws128, tma, pointer"):
         mod.forward_variant(x, x)
     xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
                   "compact")
