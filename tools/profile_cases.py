@@ -5,7 +5,7 @@
     python tools/profile_cases.py mla_q_parts [--tokens 4096,16384]  # the fused op's time by epilogue part
     python tools/profile_cases.py cudnn_host                 # the cudnn attention wrapper's host time by step
     python tools/profile_cases.py attn_dequant [--tokens 4096]  # MXFP8 attention's k, v pre-pass: two kernels
-    python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K: epilogue or main loop?
+    python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K (MLA_Q_BY_K=64,256,1536)
     python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
@@ -135,7 +135,7 @@ def mla_q_by_k(tokens: int = 16384) -> None:
             torch.empty(tokens, heads, 6, dtype=torch.uint8, device="cuda"),
             torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
             torch.empty(tokens // 32, heads, 192, dtype=torch.uint8, device="cuda"))
-    for k in (64, 256, 1536):
+    for k in [int(v) for v in os.environ.get("MLA_Q_BY_K", "64,256,1536").split(",")]:
         x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(heads * 192, k, device="cuda", generator=g) / 40).to(torch.bfloat16)
         gemm = ms(lambda: torch.matmul(x, w.t()))

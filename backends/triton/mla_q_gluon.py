@@ -555,7 +555,8 @@ WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8,
 # 128-token tiles: a ring stage is 40 KB at BLOCK_K 64 (3 fit beside the 96 KB of epilogue buffers).
 # GROUP_M counts 128-token tiles: 16 keeps the same 2048 tokens of x in L2 as the 64-token kernels' 32.
 WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
-                 dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
+                 dict(BLOCK_K=64, STAGES=3, GROUP_M=32), dict(BLOCK_K=64, STAGES=3, GROUP_M=8),
+                 dict(BLOCK_K=64, STAGES=3, GROUP_M=4))
 KINDS = ("plain", "ws", "ws128")
 
 
