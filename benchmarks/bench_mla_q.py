@@ -145,6 +145,17 @@ def measure(tokens, K, H):
             fwd_row(f"triton fused [{variant}]", bench_ms(fn), same=same_fraction(out, ref))
             del out
 
+        # The target's pair (the default fused forward against the GEMM) timed in turns, 3 rounds: the
+        # GEMM alone read 1.74-1.90 ms at T = 16384 across one session's runs, so a ratio of two
+        # readings minutes apart carries that drift.
+        default = triton_mla_q.forward_variant(x, w)
+        pair = benchlib.interleaved_ms({
+            "gemm": lambda: torch.matmul(x, w.t()),
+            "fused": lambda: triton_mla_q.mla_q_forward_launch(x, w, cos, sin, variant=default)})
+        REC.row(op="fwd", impl=f"triton fused [{default}] (in turns with the GEMM: {pair['gemm']:.4f} ms)",
+                ms=pair["fused"], tflops=flops / pair["fused"] / 1e9, ratio=pair["fused"] / pair["gemm"], vs=VS,
+                flops=flops, bytes=fwd_bytes, **common)
+
         def run_baseline(name, fn):
             try:
                 if name.startswith("torch.compile"):

@@ -39,8 +39,13 @@ def cases():
             x128, w128, cos128, sin128, variant="gluon")
         yield "mla_q_uproj_rope_quant (Gluon warp-specialized)", lambda: triton_mla_q.mla_q_forward_launch(
             x128, w128, cos128, sin128, variant="gluon_ws")
+        yield "mla_q_uproj_rope_quant (Gluon warp-specialized, 128-token tiles)", \
+            lambda: triton_mla_q.mla_q_forward_launch(x128, w128, cos128, sin128, variant="gluon_ws128")
     q, k, v = randn(1, 80, 2, 192), randn(1, 80, 2, 192), randn(1, 80, 2, 128)
     yield "mla_attention causal", lambda: dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
+    q2, k2, v2 = randn(1, 256, 2, 192), randn(1, 256, 2, 192), randn(1, 256, 2, 128)  # whole key blocks (EVEN_KV)
+    yield "mla_attention causal, S = 256", lambda: dispatch.run("mla_attention", q2, k2, v2, causal=True,
+                                                                backend="triton")
 
     def attn_bwd():
         o, lse = dispatch.run("mla_attention", q, k, v, causal=True, backend="triton")
