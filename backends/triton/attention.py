@@ -19,7 +19,9 @@ Kernel design
   skips a loop writes the in-flight accumulator's registers), which the sm90 compile of every
   variant was checked for. Fully masked rows (causal with S_q > S_kv, or a varlen sequence without
   keys) keep m = -inf: the update shifts them by 0 instead of -inf (no inf - inf), so they end with
-  l = 0, o = 0 and lse = -inf.
+  l = 0, o = 0 and lse = -inf. When every key block is whole (bshd / sbhd with BLOCK_N | S_kv:
+  `_even_kv`), the k / v loads carry no mask at all (H200, B1 S4096 H128 causal: 1.496 against
+  1.528 ms, tools/profile_cases.py attn_fwd_configs).
 - Grid (query blocks, heads, batch): the query blocks of one head are adjacent in launch order, so
   the programs resident at once share their head's k and v through L2 (k + v of a head at S = 4096
   is 2.6 MB; with heads fastest instead, 132 resident programs would stream 132 different heads from

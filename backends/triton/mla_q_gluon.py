@@ -11,28 +11,30 @@ tile back from shared memory in a layout where its blocks are thread-local:
 - rowwise (32 features of one token): BlockedLayout size_per_thread [1, 32]; the amax, the scale
   byte and the 32 codes of a block live in one thread, no shuffles;
 - columnwise (32 tokens of one feature): BlockedLayout size_per_thread [32, 2]; likewise;
-- RoPE: two threads per token row, each reading 16 interleaved pairs and computing their left and
-  right outputs in registers (fp32, no FMA: launched with enable_fp_fusion=False); each rowwise RoPE
-  block's amax is one shuffle between the row's two threads; the fp32 results go to shared memory for
-  their columnwise pass;
+- RoPE: eight threads per token row, each reading 4 interleaved pairs and computing their left and
+  right outputs in registers (fp32, no FMA: launched with enable_fp_fusion=False); a warp holds four
+  whole rows, so cos / sin load coalesced straight into that layout (earlier forms read them a row
+  per thread -- ncu: L1-bound -- or staged them through shared memory), and a rowwise RoPE block's
+  amax is three shuffles among the row's threads; the fp32 results go to shared memory for their
+  columnwise pass;
 - codes leave through shared memory and TMA stores (four boxes per tile, the no-RoPE two before the
-  RoPE work), scales by plain stores; cos / sin are loaded coalesced (a warp reads two whole rows)
-  before the no-RoPE quantization, so their latency runs under it, and reach the RoPE layout
-  through the fp32 RoPE tile (ncu: loaded in the RoPE layout, every load instruction of a warp
-  touched 32 rows' lines and the L1 bound the epilogue).
+  RoPE work), scales by plain stores.
 
-Two kernels share that epilogue (_epilogue, _epilogue_buffers):
+Three kernels share that epilogue (_epilogue / _epilogue_staged, _epilogue_buffers):
 - `gluon`: one 64-token x one-head tile per program, one warpgroup (4 warps); the main loop is a
   STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step); ~98 KB of
   shared memory, so two programs share an SM and one's epilogue overlaps the other's main loop.
-- `gluon_ws` (the default): persistent, one program per SM, warp-specialized: a TMA producer warp
-  and two consumer warpgroups that take alternate tiles from one 4-stage ring, each with its own
-  48 KB of epilogue buffers, taking turns on the main loop so one's epilogue runs under the other's
-  MMAs (229.8 KB of shared memory).
+- `gluon_ws`: persistent, one program per SM, warp-specialized: a TMA producer warp and two consumer
+  warpgroups that take alternate 64-token tiles from one 4-stage ring, each with its own 48 KB of
+  epilogue buffers, taking turns on the main loop so one's epilogue runs under the other's MMAs.
+- `gluon_ws128` (the default for T % 128 == 0): the same on 128-token tiles, for L2 traffic: x and w
+  reads per output drop from 64 to 40 bytes. A consumer holds both 64-row halves' accumulators (192
+  fp32 registers a thread); the two consumers share one set of epilogue buffers (96 KB), taken in
+  the same alternation as the main loop, which leaves a 3 x 40 KB ring (221.8 KB in all).
 
-Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws` 1.27x / 1.33x the cuBLAS GEMM at T = 4096 /
-16384, `gluon` 1.42x / 1.46x (Triton TMA kernel 1.74-1.81x); main loop alone 1.01-1.05x. The rest is
-the epilogue, which still does not fully hide under the other warpgroup's MMAs.
+Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws128` 1.12x the cuBLAS GEMM at T = 4096 and
+16384 (timed in turns with it), `gluon_ws` 1.22-1.24x, `gluon` 1.32-1.34x, the Triton TMA kernel
+1.70-1.76x.
 
 Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
 sm90 (wgmma), Triton 3.6 (VERIFIED_TRITON). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
