@@ -56,16 +56,19 @@ def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue:
                 ready[s].arrive()
                 c += 1
 
+    def wait_turn(bars, cid, n):  # _wait_turn
+        if cid == 0:
+            while n > 0 and not bars[1].passes((n + 1) & 1):
+                yield
+        else:
+            while not bars[0].passes(n & 1):
+                yield
+
     def consumer(cid: int):
         j, n = cid, 0
         for _tile in range(cid, tiles, 2):
             if turns:
-                if cid == 0:
-                    while n > 0 and not done[1].passes((n + 1) & 1):
-                        yield
-                else:
-                    while not done[0].passes(n & 1):
-                        yield
+                yield from wait_turn(done, cid, n)
             c0 = j * k_steps
             for kk in range(k_steps):
                 c = c0 + kk
@@ -83,12 +86,7 @@ def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue:
             if turns and not shared_epilogue:
                 done[cid].arrive()
             if shared_epilogue:
-                if cid == 0:
-                    while n > 0 and not epi_done[1].passes((n + 1) & 1):
-                        yield
-                else:
-                    while not epi_done[0].passes(n & 1):
-                        yield
+                yield from wait_turn(epi_done, cid, n)
                 assert epi_owner[0] is None, f"consumer {cid} entered the epilogue buffers of {epi_owner[0]}"
                 epi_owner[0] = cid
                 epi_order.append(cid)

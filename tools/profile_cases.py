@@ -151,26 +151,32 @@ def mla_q_by_k(tokens: int = 16384) -> None:
         print(f"T={tokens} K={k}: cuBLAS {gemm:.4f} ms; " + "; ".join(f"{n} {t:.4f} ({t / gemm:.2f}x)" for n, t in row.items()))
 
 
-def attn_dequant(seq: int = 4096) -> None:
-    """MXFP8 attention forward's k, v pre-pass at B=1, H=128: the attention file's flat dequantize
-    kernel against the quantize file's tiled (autotuned) one, each alone and inside the whole
-    forward, with a device-to-device copy of the same bytes as the bandwidth yardstick."""
-    import triton
-
+def _attention_inputs(seq: int):
+    """B=1, H=128 bf16 q, k, v (seeded) and their MXFP8 forms (q, k blocked along D, v along S)."""
     from backends.torch.quantize import mxfp8_quantize
-    from backends.triton import attention as ta
-    from backends.triton.quantize import mxfp8_dequantize
-
-    def ms(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
     v = torch.randn(1, seq, 128, 128, device="cuda", generator=g).to(torch.bfloat16)
     quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-    q_mx, k_mx = mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant)
-    v_mx = mxfp8_quantize(v, axis=1, **quant)
+    return (q, k, v, mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant),
+            mxfp8_quantize(v, axis=1, **quant))
+
+
+def attn_dequant(seq: int = 4096) -> None:
+    """MXFP8 attention forward's k, v pre-pass at B=1, H=128: the attention file's flat dequantize
+    kernel against the quantize file's tiled (autotuned) one, each alone and inside the whole
+    forward, with a device-to-device copy of the same bytes as the bandwidth yardstick."""
+    import triton
+
+    from backends.triton import attention as ta
+    from backends.triton.quantize import mxfp8_dequantize
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    q, k, v, q_mx, k_mx, v_mx = _attention_inputs(seq)
     tiled = lambda t: mxfp8_dequantize(t, "bfloat16")  # noqa: E731
     flat = ta._dequantize_bf16
     for name, t in (("k", k_mx), ("v", v_mx)):
@@ -202,19 +208,12 @@ def attn_fwd_configs(seq: int = 4096) -> None:
     with the other's tensor-core work), which is what the sweep is for."""
     import triton
 
-    from backends.torch.quantize import mxfp8_quantize
     from backends.triton import attention as ta
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import benchlib
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
-    k = torch.randn(1, seq, 128, 192, device="cuda", generator=g).to(torch.bfloat16)
-    v = torch.randn(1, seq, 128, 128, device="cuda", generator=g).to(torch.bfloat16)
-    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-    q_mx, k_mx = mxfp8_quantize(q, axis=3, **quant), mxfp8_quantize(k, axis=3, **quant)
-    v_mx = mxfp8_quantize(v, axis=1, **quant)
+    q, k, v, q_mx, k_mx, v_mx = _attention_inputs(seq)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     cudnn = lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
         qt, kt, vt, None, True, 0.0, True, False, scale=None)

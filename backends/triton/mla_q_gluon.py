@@ -331,6 +331,16 @@ def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, xb_ring, wn_ring, wr_ring, re
 
 
 @gluon.jit
+def _wait_turn(bars, CID: gl.constexpr, n):
+    """Two warpgroups alternating through a pair of mbarriers (bars[c] is arrived when warpgroup c ends
+    its part): warpgroup 0's n-th turn after warpgroup 1's (n-1)-th, warpgroup 1's n-th after 0's n-th."""
+    if CID == 0:
+        mbarrier.wait(bars.index(1), (n + 1) & 1, pred=n > 0)
+    else:
+        mbarrier.wait(bars.index(0), n & 1)
+
+
+@gluon.jit
 def _ws_consumer(CID: gl.constexpr, x_ring, wn_ring, wr_ring, ready, empty, done,
                  nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
                  row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
@@ -355,11 +365,7 @@ def _ws_consumer(CID: gl.constexpr, x_ring, wn_ring, wr_ring, ready, empty, done
     n = 0  # this warpgroup's tile count
     for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
         pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
-        # turn: warpgroup 0's n-th main loop after warpgroup 1's (n-1)-th, warpgroup 1's n-th after 0's n-th
-        if CID == 0:
-            mbarrier.wait(done.index(1), (n + 1) & 1, pred=n > 0)
-        else:
-            mbarrier.wait(done.index(0), n & 1)
+        _wait_turn(done, CID, n)
         acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
         acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
         c0 = j * k_steps
@@ -454,10 +460,7 @@ def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready
     n = 0
     for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
         pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
-        if CID == 0:
-            mbarrier.wait(done.index(1), (n + 1) & 1, pred=n > 0)
-        else:
-            mbarrier.wait(done.index(0), n & 1)
+        _wait_turn(done, CID, n)
         acc_na = gl.zeros([64, NOPE], gl.float32, mma_nope)
         acc_ra = gl.zeros([64, ROPE], gl.float32, mma_rope)
         acc_nb = gl.zeros([64, NOPE], gl.float32, mma_nope)
@@ -483,10 +486,7 @@ def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready
         acc_na, acc_ra, acc_nb, acc_rb = warpgroup_mma_wait(num_outstanding=0, deps=(acc_na, acc_ra, acc_nb, acc_rb))
         mbarrier.arrive(empty.index((c0 + k_steps - 1) % STAGES))
         # the shared epilogue buffers: after the other warpgroup's previous epilogue (its TMA stores drained)
-        if CID == 0:
-            mbarrier.wait(epi_done.index(1), (n + 1) & 1, pred=n > 0)
-        else:
-            mbarrier.wait(epi_done.index(0), n & 1)
+        _wait_turn(epi_done, CID, n)
         nope_a.store(acc_na.to(gl.bfloat16))
         rope_a.store(acc_ra.to(gl.bfloat16))
         nope_b.store(acc_nb.to(gl.bfloat16))

@@ -115,44 +115,32 @@ def test_forward_gluon_exact_bytes(triton_target, mla, shape):
         _check_mx(got[1], want[1], f"q_col ({table.__name__} tables)")
 
 
-@pytest.mark.parametrize("shape", [(64, 64, 1), (128, 96, 3), (192, 1536, 4), (4096, 1536, 128)],
-                         ids=lambda s: "T{}K{}H{}".format(*s))
-def test_forward_gluon_ws_exact_bytes(triton_target, mla, shape):
-    # The persistent warp-specialized kernel against spec (exact inputs: any summation order gives spec's
-    # bytes), with fewer tiles than SMs, a few per program, and many (T = 4096 x 128 heads).
+# (variant, its configs table in mla_q_gluon, shapes): fewer tiles than SMs, a few per program (one or
+# several per warpgroup: the turn and, for ws128, shared-buffer barriers), K tails, and the DeepSeek
+# width (T = 4096 x 128 heads) against the one-tile kernel
+_WS_CASES = [("gluon_ws", "WS_CONFIGS", s) for s in [(64, 64, 1), (128, 96, 3), (192, 1536, 4), (4096, 1536, 128)]]
+_WS_CASES += [("gluon_ws128", "WS128_CONFIGS", s) for s in [(128, 64, 1), (256, 96, 3), (384, 1536, 4),
+                                                            (4096, 1536, 128)]]
+
+
+@pytest.mark.parametrize("variant,table,shape", _WS_CASES, ids=lambda c: c if isinstance(c, str) and c.startswith(
+    "gluon") else ("T{}K{}H{}".format(*c) if isinstance(c, tuple) else None))
+def test_forward_gluon_ws_exact_bytes(triton_target, mla, variant, table, shape):
+    # The persistent warp-specialized kernels against spec (exact inputs: any summation order gives
+    # spec's bytes), every config of the variant's table on the small shapes, its default on the wide one.
     device = triton_target[1]
-    _variant_or_skip(device, "gluon_ws")
+    _variant_or_skip(device, variant)
     tokens, k, heads = shape
-    x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws", shape), tokens, k, heads, "bf16")
+    x, w, cos, sin = _exact_inputs(_seed("fwd-" + variant.replace("_", "-"), shape), tokens, k, heads, "bf16")
     if tokens * heads > 4096:  # spec on the whole DeepSeek width is slow: compare with the Gluon kernel
         want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
     else:
         want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    from backends.triton.mla_q_gluon import WS_CONFIGS
+    import backends.triton.mla_q_gluon as qg
 
-    for cfg in WS_CONFIGS if tokens * heads <= 4096 else WS_CONFIGS[:1]:
-        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws", config=cfg)
-        _check_mx(got[0], want[0], f"q_row {cfg}")
-        _check_mx(got[1], want[1], f"q_col {cfg}")
-
-
-@pytest.mark.parametrize("shape", [(128, 64, 1), (256, 96, 3), (384, 1536, 4), (4096, 1536, 128)],
-                         ids=lambda s: "T{}K{}H{}".format(*s))
-def test_forward_gluon_ws128_exact_bytes(triton_target, mla, shape):
-    # The 128-token warp-specialized kernel: fewer tiles than SMs, one or several per warpgroup (its
-    # turn and shared-buffer barriers), K tails, and the DeepSeek width against the one-tile kernel.
-    device = triton_target[1]
-    _variant_or_skip(device, "gluon_ws128")
-    tokens, k, heads = shape
-    x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-ws128", shape), tokens, k, heads, "bf16")
-    if tokens * heads > 4096:
-        want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
-    else:
-        want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    from backends.triton.mla_q_gluon import WS128_CONFIGS
-
-    for cfg in WS128_CONFIGS if tokens * heads <= 4096 else WS128_CONFIGS[:1]:
-        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws128", config=cfg)
+    configs = getattr(qg, table)
+    for cfg in configs if tokens * heads <= 4096 else configs[:1]:
+        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant=variant, config=cfg)
         _check_mx(got[0], want[0], f"q_row {cfg}")
         _check_mx(got[1], want[1], f"q_col {cfg}")
 
