@@ -102,23 +102,27 @@ def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue:
     return (actors, log, epi_order) if shared_epilogue else (actors, log)
 
 
-def _run(tiles, k_steps, stages, turns, seed):
-    actors, log = _actors(tiles, k_steps, stages, turns)
+def _run(tiles, k_steps, stages, turns, seed, shared_epilogue=False):
+    """Run the actors in a seeded random interleaving: the consumers' (consumer, step, fill read) log,
+    and with shared_epilogue the order in which the warpgroups took the epilogue buffers."""
+    made = _actors(tiles, k_steps, stages, turns, shared_epilogue)
+    actors, log = made[0], made[1]
+    order = made[2] if shared_epilogue else []
     rng = random.Random(seed)
     live = list(actors)
     idle = 0
     while live:
         actor = rng.choice(live)
-        before = len(log)
+        before = len(log) + len(order)
         try:
             next(actor)
         except StopIteration:
             live.remove(actor)
             idle = 0
             continue
-        idle = idle + 1 if len(log) == before else 0
+        idle = idle + 1 if len(log) + len(order) == before else 0
         assert idle < 100_000, f"deadlock (tiles={tiles}, k_steps={k_steps}, stages={stages})"
-    return log
+    return (log, order) if shared_epilogue else log
 
 
 # the shipped configs: 4 stages of BLOCK_K 64 (24 k-steps at K = 1536), 8 of BLOCK_K 32 (48 k-steps)
@@ -149,19 +153,7 @@ def test_shared_epilogue_buffers_alternate(tiles, k_steps, stages):
     # _ws128_consumer: both warpgroups use one set of epilogue buffers, taken in turn through epi_done
     # (the ring's checks hold as before; 3 stages of BLOCK_K 64 and 6 of BLOCK_K 32 are the shipped rings)
     for seed in range(40):
-        actors, log, order = _actors(tiles, k_steps, stages, turns=True, shared_epilogue=True)
-        rng = random.Random(seed)
-        live, idle = list(actors), 0
-        while live:
-            actor = rng.choice(live)
-            before = len(log) + len(order)
-            try:
-                next(actor)
-            except StopIteration:
-                live.remove(actor)
-                idle = 0
-                continue
-            idle = idle + 1 if len(log) + len(order) == before else 0
-            assert idle < 100_000, "deadlock"
+        log, order = _run(tiles, k_steps, stages, turns=True, seed=seed, shared_epilogue=True)
+        assert len(log) == tiles * k_steps
         assert all(got == want for _, want, got in log)
         assert order == [t % 2 for t in range(tiles)]
