@@ -360,3 +360,33 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
     with pytest.raises(ValueError, match="variant='gluon'"):
         mod.mla_q_forward_launch(x, torch.zeros((192, 64), dtype=torch.bfloat16), torch.zeros((64, 64)),
                                  torch.zeros((64, 64)), variant="gluon")
+
+
+def test_gluon_ws128_selection_and_arguments(monkeypatch):
+    # auto on an sm90 GPU the Gluon kernels accept (mocked: no GPU here): the 128-token kernel when
+    # T % 128 == 0, the 64-token one otherwise; asking for gluon_ws128 with a token tail names it; the
+    # Gluon launcher rejects an unknown kind and a token tail before any launch.
+    import types
+
+    import backends.triton.mla_q as mod
+
+    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
+    monkeypatch.setattr(mod, "interpret_mode", lambda: False)
+    monkeypatch.setattr(mod, "_tma_ok", lambda t: True)
+    monkeypatch.setattr(mod, "gluon_reasons", lambda x, w: [])
+    fake = lambda tokens: types.SimpleNamespace(shape=(tokens, 64), device=types.SimpleNamespace(type="cuda"))  # noqa: E731
+    assert mod.forward_variant(fake(256), fake(192)) == "gluon_ws128"
+    assert mod.forward_variant(fake(192), fake(192)) == "gluon_ws"
+    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluon_ws128")
+    assert mod.forward_variant(fake(256), fake(192)) == "gluon_ws128"
+    with pytest.raises(ValueError, match=r"gluon_ws128 needs tokens % 128 == 0, got 192"):
+        mod.forward_variant(fake(192), fake(192))
+    try:
+        import backends.triton.mla_q_gluon as qg
+    except ImportError as exc:  # a Triton without Gluon's Hopper API
+        pytest.skip(f"Gluon unavailable: {exc}")
+    w = torch.zeros((192, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kind: expected one of plain, ws, ws128, got 'ws256'"):
+        qg.launch(torch.zeros((128, 64), dtype=torch.bfloat16), w, *([None] * 6), kind="ws256")
+    with pytest.raises(ValueError, match=r"x: kind 'ws128' needs tokens % 128 == 0, got 192"):
+        qg.launch(torch.zeros((192, 64), dtype=torch.bfloat16), w, *([None] * 6), kind="ws128")
