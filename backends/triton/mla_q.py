@@ -565,20 +565,27 @@ def gluon_reasons(x, w) -> List[str]:
 _GLUON_KIND = {"gluon": "plain", "gluon_ws": "ws", "gluon_ws128": "ws128"}
 
 
+def _gluon_variant_reasons(variant, x, w) -> List[str]:
+    """gluon_reasons, plus the 128-token kernel's token multiple."""
+    reasons = gluon_reasons(x, w)
+    tokens = (x.data if isinstance(x, MXTensor) else x).shape[0]
+    if variant == "gluon_ws128" and tokens % 128:
+        reasons.append(f"gluon_ws128 needs tokens % 128 == 0, got {tokens}")
+    return reasons
+
+
 def forward_variant(x, w) -> str:
     """"gluon_ws128", "gluon_ws", "gluon", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (one of those
     or auto, default auto) decides. auto: on sm90, for a bf16 projection the Gluon kernels accept
     (gluon_reasons), the persistent warp-specialized kernel on 128-token tiles when T % 128 == 0, else
-    its 64-token form (H200, 2026-11-30, tools/profile_cases.py mla_q_by_k: 1.15x / 1.18x the cuBLAS
-    GEMM at T = 16384 / 4096 against 1.26x / 1.26x); else TMA on sm90+ when both operands qualify,
+    its 64-token form (H200, 2026-11-30, bench_mla_q.py --quick: 1.12x the cuBLAS GEMM at T = 4096
+    and 16384 against 1.22-1.24x); else TMA on sm90+ when both operands qualify,
     else the pointer kernel (the interpreter runs the Triton kernels when asked). An explicit choice
     the operands cannot take raises, naming the reasons."""
     choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto",) + tuple(_GLUON_KIND) + ("tma", "pointer"), "auto")
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
     if choice in _GLUON_KIND:
-        reasons = gluon_reasons(x, w)
-        if choice == "gluon_ws128" and xd.shape[0] % 128:
-            reasons.append(f"gluon_ws128 needs tokens % 128 == 0, got {xd.shape[0]}")
+        reasons = _gluon_variant_reasons(choice, x, w)
         if reasons:
             raise ValueError(f"MXMLA_TRITON_MLA_Q_VARIANT={choice}: " + "; ".join(reasons))
         return choice
@@ -625,9 +632,7 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
     variant = variant or forward_variant(x, w)
     cos, sin = _unit_last(cos), _unit_last(sin)
     if variant in _GLUON_KIND:
-        reasons = gluon_reasons(x, w)
-        if variant == "gluon_ws128" and tokens % 128:
-            reasons.append(f"gluon_ws128 needs tokens % 128 == 0, got {tokens}")
+        reasons = _gluon_variant_reasons(variant, x, w)
         if reasons:
             raise ValueError(f"variant={variant!r}: " + "; ".join(reasons))
         from . import mla_q_gluon

@@ -301,7 +301,7 @@ def _mla_q_fwd_gluon_kernel(
 
 
 # --------------------------------------------------------------------------------------------------
-# persistent, warp-specialized variant (the sm90 default; run and byte-checked on the H200, 2026-11-30)
+# persistent, warp-specialized, 64-token tiles (the default where T % 128 != 0; H200-checked, 2026-11-30)
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
 def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, xb_ring, wn_ring, wr_ring, ready, empty, T, K, H,
@@ -431,7 +431,7 @@ def _mla_q_fwd_gluon_ws_kernel(
 # --------------------------------------------------------------------------------------------------
 # Why: the 64-token kernels read 64 bytes of x and w from L2 per output element ((64 + 192) x K x 2 bytes
 # for 64 x 192 outputs), and ncu of gluon_ws at K = 1536 put L2 at 69 % of its throughput (at ncu's locked
-# clocks; the main loop alone already runs 1.07x cuBLAS). A 128-token tile reads (128 + 192) x K x 2
+# clocks; the 64-token main loop alone ran 1.07-1.14x cuBLAS). A 128-token tile reads (128 + 192) x K x 2
 # for 128 x 192 outputs: 40 bytes. Each consumer warpgroup holds the whole tile's accumulators (two
 # 64-row halves: 192 fp32 registers a thread); the two warpgroups still take turns on the main loop,
 # and share one set of epilogue buffers (96 KB), taken in the same alternation, so the ring keeps
@@ -556,9 +556,9 @@ WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8,
               dict(BLOCK_K=64, STAGES=4, GROUP_M=64))
 # 128-token tiles: a ring stage is 40 KB at BLOCK_K 64 (3 fit beside the 96 KB of epilogue buffers).
 # GROUP_M counts 128-token tiles: 16 keeps the same 2048 tokens of x in L2 as the 64-token kernels' 32.
+# H200 (mla_q_by_k, T = 16384): G16 and G32 within noise, G8 ~2 % slower, G4 (dropped) ~7 %, BLOCK_K 32 ~7 %.
 WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
-                 dict(BLOCK_K=64, STAGES=3, GROUP_M=32), dict(BLOCK_K=64, STAGES=3, GROUP_M=8),
-                 dict(BLOCK_K=64, STAGES=3, GROUP_M=4))
+                 dict(BLOCK_K=64, STAGES=3, GROUP_M=32), dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
 KINDS = ("plain", "ws", "ws128")
 
 
