@@ -7,6 +7,7 @@
     python tools/profile_cases.py attn_dequant [--tokens 4096]  # MXFP8 attention's k, v pre-pass: two kernels
     python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K (MLA_Q_BY_K=64,256,1536)
     python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
+    python tools/profile_cases.py gemm_gluon [--tokens 4096]     # MXFP8 GEMM routes per Gluon config vs cuBLAS
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -329,10 +330,73 @@ def host(tokens: int, calls: int = 200) -> None:
     print(out.getvalue())
 
 
+def gemm_gluon(tokens: int = 4096) -> None:
+    """The MXFP8 GEMM [tokens x 1536] x [24576 x 1536]: the Gluon route (per config) and its kernel
+    alone, the bf16 route, and the bf16 cuBLAS GEMM, timed in turns (3 rounds, medians of do_bench);
+    first the Gluon route's output against the bf16 route's (both fp32 sums of the same exact
+    products) and the guard flag on this data."""
+    import triton
+
+    from backends.torch import quantize as tq
+    from backends.triton import gemm as tg
+    from backends.triton import gemm_gluon as gg
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    n, k = 24576, 1536
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+    a = tq.mxfp8_quantize(x, axis=1, **quant)
+    b = tq.mxfp8_quantize(w, axis=1, **quant)
+    ref = tg.mxfp8_gemm_tensors(a, b, torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda"), variant="bf16")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    a16 = dequantize_bf16_flat(a, guard=(flag, 10, 246))
+    lo, hi = tg.BF16_SAFE_SCALE_BYTES["e4m3"]
+    b_codes = b.data.view(torch.uint8)
+    strides = (b.scale.stride(0), b.scale.stride(1))
+    out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
+    for cfg in gg.CONFIGS:
+        out.view(torch.int16).fill_(-1)  # poison: an unwritten element stays NaN
+        flag.zero_()
+        gg.launch(a16, b_codes, b.scale, strides, 0, False, False, (lo, hi), out, flag, cfg)
+        torch.cuda.synchronize()
+        d = (out.float() - ref.float()).abs()
+        print(f"check {cfg}: flag {int(flag.item())}, NaN {int(torch.isnan(out).sum())}, "
+              f"max|gluon - bf16 route| {float(d.max()):.3e} (max|ref| {float(ref.float().abs().max()):.3e}), "
+              f"bytes differing {int((out.view(torch.int16) != ref.view(torch.int16)).sum())} of {out.numel()}")
+    for scale_layout in ("swizzled",):
+        bs = tq.mxfp8_quantize(w, axis=1, **dict(quant, scale_layout=scale_layout))
+        got = tg.mxfp8_gemm_tensors(a, bs, torch.empty_like(out), variant="gluon")
+        print(f"check route, b scales {scale_layout}: max|gluon - bf16 route| "
+              f"{float((got.float() - ref.float()).abs().max()):.3e}")
+    xb = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
+    wb = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    fns = {"cuBLAS bf16": lambda: torch.matmul(xb, wb.t()),
+           "bf16 route": lambda: tg.mxfp8_gemm_tensors(a, b, out, variant="bf16"),
+           "gluon route": lambda: tg.mxfp8_gemm_tensors(a, b, out, variant="gluon"),
+           "a16 pass": lambda: dequantize_bf16_flat(a, guard=(flag, lo, hi))}
+    for cfg in gg.CONFIGS:
+        tag = f"BK{cfg['BLOCK_K']} S{cfg['STAGES']} G{cfg['GROUP_M']}"
+        fns[f"gluon kernel {tag}"] = (lambda c=cfg: gg.launch(a16, b_codes, b.scale, strides, 0, False, False,
+                                                              (lo, hi), out, flag, c))
+    times = {name: [] for name in fns}
+    for _ in range(3):
+        for name, fn in fns.items():
+            times[name].append(ms(fn))
+    base = sorted(times["cuBLAS bf16"])[1]
+    for name, ts in times.items():
+        t = sorted(ts)[1]
+        print(f"T={tokens} {name:28s} {t:.4f} ms  cuBLAS/this {base / t:.3f}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k",
-                                       "attn_fwd_configs"])
+                                       "attn_fwd_configs", "gemm_gluon"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -343,6 +407,8 @@ def main() -> None:
         cudnn_host()
     elif args.case == "mla_q_by_k":
         mla_q_by_k(int(args.tokens or 16384))
+    elif args.case == "gemm_gluon":
+        gemm_gluon(int(args.tokens or 4096))
     elif args.case == "attn_fwd_configs":
         attn_fwd_configs(int(args.tokens or 4096))
     elif args.case == "attn_dequant":

@@ -403,7 +403,12 @@ def gemm_variant(a: MXTensor, b: MXTensor) -> str:
     device = a.data.device
     if use_dot_scaled(device):
         return "dot_scaled"
-    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "bf16", "tma", "pointer"), "auto")
+    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto")
+    if choice == "gluon":
+        reasons = gluon_reasons(a, b)
+        if reasons:
+            raise ValueError("MXMLA_TRITON_GEMM_VARIANT=gluon cannot run here: " + "; ".join(reasons))
+        return "gluon"
     if choice == "bf16":
         return "bf16"
     ok = _tma_ok(a.data) and _tma_ok(b.data)
@@ -490,16 +495,31 @@ def _bf16_matmul(a16: torch.Tensor, b16: torch.Tensor, out: torch.Tensor) -> Non
         flags.allow_bf16_reduced_precision_reduction = prev
 
 
-def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
-    """The sm90 route: dequantize a and b to bf16 (exact for scale bytes in BF16_SAFE_SCALE_BYTES),
-    one bf16 GEMM with fp32 accumulation (cuBLAS), then the exact per-block kernel as a gated
-    fallback that recomputes everything when a guard flag was raised (a scale byte outside the
-    safe range, a NaN or Inf operand): no host sync, CUDA-graph safe, and the same
-    products-exact-fp32-sum contract as the block kernels."""
-    flag = torch.zeros(1, dtype=torch.int32, device=out.device)
-    a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
-    b16 = dequantize_bf16_flat(b, guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
-    _bf16_matmul(a16, b16, out)
+def gluon_reasons(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List[str]:
+    """Why the Gluon sm90 route (gemm_gluon.py) cannot run these operands; empty when it can."""
+    dev = a.data.device
+    if interpret_mode() or dev.type != "cuda":
+        return ["the Gluon GEMM runs on CUDA only (no interpreter)"]
+    reasons = []
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        reasons.append("the Gluon GEMM needs an sm90 GPU (wgmma with a register operand)")
+    try:
+        from . import mla_q_gluon
+    except ImportError as exc:  # a Triton without Gluon's Hopper API
+        return reasons + [f"Gluon unavailable in this Triton ({triton.__version__}): {exc}"]
+    if not triton.__version__.startswith(mla_q_gluon.VERIFIED_TRITON):
+        reasons.append(f"the Gluon GEMM is verified with Triton {', '.join(v + 'x' for v in mla_q_gluon.VERIFIED_TRITON)}"
+                       f" only, this is {triton.__version__}")
+    if out_dtype != "bfloat16":
+        reasons.append(f"the Gluon GEMM writes bf16 only, out_dtype is {out_dtype}")
+    if not _tma_ok(b.data):
+        reasons.append("b's codes must be K-contiguous with 16-byte aligned base and rows (TMA)")
+    return reasons
+
+
+def _exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+    """The exact per-block kernel, persistent and gated on *flag: it recomputes every output tile when a
+    guard was raised, and returns at once otherwise (no host sync: CUDA-graph safe)."""
     m, k = a.data.shape
     n = b.data.shape[0]
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
@@ -513,6 +533,42 @@ def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
         sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1), flag,
         A_SWIZZLED=a_swz, B_SWIZZLED=b_swz, OUT_DTYPE=tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32,
         WIDEN_F16=fp8_mma_widened(out.device), GATED=True, **cfg)
+
+
+def _launch_gluon(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None) -> torch.Tensor:
+    """The Gluon sm90 route: a dequantized to bf16 by the guarded flat pass, b's codes widened in the
+    GEMM's registers (gemm_gluon.py), the exact kernel as the gated fallback. A non-contiguous out
+    (or one with rows not 16-byte aligned) gets a padded buffer, copied back."""
+    from . import gemm_gluon
+
+    reasons = gluon_reasons(a, b, "bfloat16" if out.dtype == torch.bfloat16 else "float32")
+    if reasons:
+        raise ValueError("variant 'gluon' cannot run here: " + "; ".join(reasons))
+    flag = torch.zeros(1, dtype=torch.int32, device=out.device)
+    a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
+    b_data, b_scale, strides, b_groups, b_swz = _operand(b)
+    m, n = out.shape
+    # TMA needs 16-byte aligned rows: otherwise a padded buffer, its [m, n] view written, then copied
+    dst = out if _tma_ok(out) else torch.empty((m, _roundup(n, 8)), dtype=out.dtype, device=out.device)[:, :n]
+    gemm_gluon.launch(a16, b_data.view(torch.uint8), b_scale, strides, b_groups, b_swz, b.elem == "e5m2",
+                      BF16_SAFE_SCALE_BYTES[b.elem], dst, flag, config)
+    if dst is not out:
+        out.copy_(dst)
+    _exact_fallback(a, b, out, flag)
+    return out
+
+
+def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
+    """The sm90 route: dequantize a and b to bf16 (exact for scale bytes in BF16_SAFE_SCALE_BYTES),
+    one bf16 GEMM with fp32 accumulation (cuBLAS), then the exact per-block kernel as a gated
+    fallback that recomputes everything when a guard flag was raised (a scale byte outside the
+    safe range, a NaN or Inf operand): no host sync, CUDA-graph safe, and the same
+    products-exact-fp32-sum contract as the block kernels."""
+    flag = torch.zeros(1, dtype=torch.int32, device=out.device)
+    a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
+    b16 = dequantize_bf16_flat(b, guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
+    _bf16_matmul(a16, b16, out)
+    _exact_fallback(a, b, out, flag)
     return out
 
 
@@ -532,6 +588,8 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
     a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
     b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
     variant = variant or gemm_variant(a, b)
+    if variant == "gluon":
+        return _launch_gluon(a, b, out, config)
     if variant == "bf16":
         return _launch_bf16(a, b, out)
     if variant == "tma":

@@ -26,7 +26,7 @@ from spec.mxtensor import MXTensor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy under the interpreter: NaN/Inf
 
-VARIANTS = ("bf16", "pointer", "tma", "dot_scaled")
+VARIANTS = ("gluon", "bf16", "pointer", "tma", "dot_scaled")
 
 
 @pytest.fixture
@@ -46,7 +46,12 @@ def _seed(*parts) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(parts).encode()))
 
 
-def _skip_unsupported(device, variant):
+def _skip_unsupported(device, variant, out_dtype="bfloat16"):
+    if variant == "gluon":
+        if device != "cuda" or torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the Gluon GEMM runs on sm90 only (no interpreter)")
+        if out_dtype != "bfloat16":
+            pytest.skip("the Gluon GEMM writes bf16 only (float32 out takes the bf16 route)")
     if device == "cuda" and variant == "dot_scaled" and torch.cuda.get_device_capability() < (10, 0):
         pytest.skip("tl.dot_scaled kernel is for sm100+ (emulated elsewhere)")
     if device == "cuda" and variant == "tma" and torch.cuda.get_device_capability() < (9, 0):
@@ -61,6 +66,7 @@ def _config(device, block_m, block_n, block_k):
 
 
 def _run(gemm, a, b, out_dtype, device, variant, config=None):
+    config = None if variant == "gluon" else config  # the block kernels' tiles; Gluon has its own
     out = gemm._empty((a.shape[0], b.shape[0]), getattr(torch, out_dtype), torch.device(device))
     return gemm.mxfp8_gemm_tensors(to_torch(a, device), to_torch(b, device), out, variant=variant, config=config)
 
@@ -80,7 +86,7 @@ _TILES = [
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tile", _TILES, ids=lambda t: "M{}N{}K{}-{}x{}x{}".format(*t))
 def test_tiles_exact_bytes(device, gemm, tile, out_dtype, layout, variant):
-    _skip_unsupported(device, variant)
+    _skip_unsupported(device, variant, out_dtype)
     m, n, k, bm, bn, bk = tile
     rng = _seed("tiles", tile, out_dtype)
     a = small_int_operand(rng, m, k)
@@ -107,7 +113,8 @@ def test_transposed_views(device, gemm, variant):
     b_view = MXTensor(bt.data, bt.scale.t().contiguous().t(), 1, b.elem)
     assert a_view.data.stride(1) != 1 and b_view.scale.stride(1) != 1
     out = gemm._empty((64, 48), torch.bfloat16, torch.device(device))
-    got = gemm.mxfp8_gemm_tensors(a_view, b_view, out, variant=variant, config=_config(device, 64, 64, 64))
+    cfg = None if variant == "gluon" else _config(device, 64, 64, 64)
+    got = gemm.mxfp8_gemm_tensors(a_view, b_view, out, variant=variant, config=cfg)
     assert_bytes_equal(got, want, "views")
 
 
@@ -118,7 +125,7 @@ def test_specials_bytes(device, gemm, variant, out_dtype):
     # The dot_scaled kernel gets scale 200 instead of 254: Triton's emulation of dot_scaled (the
     # interpreter; sm90) dequantizes into fp32 first, so 448 * 2^127 is already Inf there and Inf * 0
     # gives NaN where spec's exact sum is 0 -- a documented deviation of that (unverified) path.
-    _skip_unsupported(device, variant)
+    _skip_unsupported(device, variant, out_dtype)
     big = 200 if variant == "dot_scaled" else 254
     z = [0.0] * 31
     a = mx([[1.0] + z, [np.inf] + z, [-0.0] * 32, [448.0] + z, [2.0] + z],
@@ -132,7 +139,7 @@ def test_specials_bytes(device, gemm, variant, out_dtype):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 def test_random_within_bound(device, gemm, variant, out_dtype):
-    _skip_unsupported(device, variant)
+    _skip_unsupported(device, variant, out_dtype)
     rng = _seed("random", out_dtype)
     m, n, k = (64, 96, 512) if device == "cpu" else (512, 768, 1536)
     x = rng.standard_normal((m, k)) * 2.0 ** rng.integers(-8, 9, size=(m, 1))
@@ -176,6 +183,53 @@ def test_bf16_route_guard(device, gemm, elem):
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     dequantize_bf16_flat(to_torch(a, device), guard=(flag, lo, hi))
     assert flag.item() == 1, "a NaN code must raise the guard"
+
+
+@pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
+def test_gluon_route_guard(device, gemm, elem):
+    # The Gluon kernel's own guard (b's scale bytes, non-finite outputs; a's are the flat pass's, tested
+    # above): the ends of BF16_SAFE_SCALE_BYTES keep the flag down, one byte past either end, a NaN code
+    # of b, or an output that overflows bf16 raise it; the route's bytes are spec's either way.
+    _skip_unsupported(device, "gluon")
+    from backends.triton import gemm_gluon
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    lo, hi = gemm.BF16_SAFE_SCALE_BYTES[elem]
+    rng = _seed("gluon guard", elem)
+    # 130 rows (a tail past the tiles); |a| <= 1, so b's extreme blocks (|b| <= 4 * 2^119) sum below 2^127
+    a = small_int_operand(rng, 130, 64, exps=(-2, -1))
+
+    def kernel_flag(a, b):
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        at, bt = to_torch(a, device), to_torch(b, device)
+        a16 = dequantize_bf16_flat(at, guard=(flag, *gemm.BF16_SAFE_SCALE_BYTES[a.elem]))
+        assert flag.item() == 0
+        out = gemm._empty((a.shape[0], b.shape[0]), torch.bfloat16, torch.device(device))
+        gemm_gluon.launch(a16, bt.data.view(torch.uint8), bt.scale, (bt.scale.stride(0), bt.scale.stride(1)), 0,
+                          False, b.elem == "e5m2", (lo, hi), out, flag)
+        return bool(flag.item())
+
+    for byte, raised in ((lo, False), (hi, False), (lo - 1, True), (hi + 1, True), (255, True)):
+        b = small_int_operand(rng, 200, 64, elem=elem)
+        scale, codes = b.scale.copy(), b.data.copy()
+        scale[5, 1] = byte
+        codes[5, :32] = 0  # row 5 is its extreme block alone: fp32 sums of it stay exact in any order
+        b = b.replace(data=codes, scale=scale)
+        assert kernel_flag(a, b) == raised, f"{elem} scale byte {byte}"
+        got = _run(gemm, a, b, "bfloat16", device, "gluon")
+        assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "bfloat16"), f"{elem} byte {byte}")
+    codes = b.data.copy()
+    codes[3, 7] = np.float32(np.nan).astype(codes.dtype)
+    b = b.replace(data=codes, scale=np.full_like(b.scale, 127))
+    assert kernel_flag(a, b), "a NaN code of b must raise the guard"
+    assert_bytes_equal(_run(gemm, a, b, "bfloat16", device, "gluon"), spec.mxfp8_gemm(a, b, "bfloat16"), "NaN")
+    # 2^100 * 2^40 = 2^140: Inf in fp32 and in bf16 (spec's exact sum rounds to Inf too)
+    z = [0.0] * 63
+    big_a = mx([[1.0] + z] * 3, [[227, 127]] * 3)
+    big_b = mx([[1.0] + z] * 2, [[167, 127]] * 2, elem=elem)
+    assert kernel_flag(big_a, big_b), "an output past bf16's range must raise the guard"
+    assert_bytes_equal(_run(gemm, big_a, big_b, "bfloat16", device, "gluon"), spec.mxfp8_gemm(big_a, big_b, "bfloat16"),
+                       "overflow")
 
 
 class _CudaCodes:
