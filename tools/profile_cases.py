@@ -8,6 +8,7 @@
     python tools/profile_cases.py mla_q_by_k [--tokens 16384]   # Gluon fused op vs K (MLA_Q_BY_K=64,256,1536)
     python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
     python tools/profile_cases.py gemm_gluon [--tokens 4096]     # MXFP8 GEMM routes per Gluon config vs cuBLAS
+    python tools/profile_cases.py gemm_gluon_launch              # three Gluon GEMM launches, for ncu
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -393,10 +394,32 @@ def gemm_gluon(tokens: int = 4096) -> None:
         print(f"T={tokens} {name:28s} {t:.4f} ms  cuBLAS/this {base / t:.3f}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
 
 
+def gemm_gluon_launch(tokens: int = 4096) -> None:
+    """Three launches of the Gluon MXFP8 GEMM kernel alone ([tokens x 1536] x [24576 x 1536]), for ncu
+    (`--kernel-name regex:_mxfp8_gemm_gluon --launch-skip 2 --launch-count 1`)."""
+    from backends.torch import quantize as tq
+    from backends.triton import gemm as tg
+    from backends.triton import gemm_gluon as gg
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+    a = tq.mxfp8_quantize(torch.randn(tokens, 1536, generator=g).to(torch.bfloat16).cuda(), axis=1, **quant)
+    b = tq.mxfp8_quantize((torch.randn(24576, 1536, generator=g) * 0.02).to(torch.bfloat16).cuda(), axis=1, **quant)
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lo, hi = tg.BF16_SAFE_SCALE_BYTES["e4m3"]
+    a16 = dequantize_bf16_flat(a, guard=(flag, lo, hi))
+    out = torch.empty(tokens, 24576, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        gg.launch(a16, b.data.view(torch.uint8), b.scale, (b.scale.stride(0), b.scale.stride(1)), 0, False, False,
+                  (lo, hi), out, flag)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k",
-                                       "attn_fwd_configs", "gemm_gluon"])
+                                       "attn_fwd_configs", "gemm_gluon", "gemm_gluon_launch"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -407,6 +430,8 @@ def main() -> None:
         cudnn_host()
     elif args.case == "mla_q_by_k":
         mla_q_by_k(int(args.tokens or 16384))
+    elif args.case == "gemm_gluon_launch":
+        gemm_gluon_launch(int(args.tokens or 4096))
     elif args.case == "gemm_gluon":
         gemm_gluon(int(args.tokens or 4096))
     elif args.case == "attn_fwd_configs":

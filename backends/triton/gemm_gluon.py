@@ -50,8 +50,7 @@ _TILE_A, _TILE_B = 256, 128
 # the least fp32 that rounds (RN-even) to Inf in bf16: bits 0x7F7F8000, halfway above bf16's largest
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 # STAGES x (32 KB of a + 8 KB of b) beside 2 x 32 KB of epilogue tiles
-CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16), dict(BLOCK_K=64, STAGES=4, GROUP_M=8),
-           dict(BLOCK_K=32, STAGES=8, GROUP_M=16))
+CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16), dict(BLOCK_K=64, STAGES=3, GROUP_M=16))
 
 
 @gluon.jit
@@ -160,20 +159,10 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
     # every output that is not finite in bf16
     amax = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, mma))
     c = 0  # ring slot counter (both warpgroups walk every slot)
-    num_tiles = num_m * num_n
-    nprog = gl.num_programs(0)
-    # A tile's step 0 is widened, and its step 1 scales loaded, before the previous tile's epilogue, so
-    # their latencies hide under it (every program has a first tile: the grid is at most the tile count)
-    pid_m, pid_n = _tile_coords(gl.program_id(0), num_m, num_n, GROUP_M)
-    rows = pid_n * TILE_B + CID * HALF + offs_r
-    s0, s1 = _load_scales(b_scale_ptr, rows, 0, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
-    bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-    mbarrier.wait(ready.index(0), 0)
-    first = _widen(b_ring.index(0).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-    s0, s1 = _load_scales(b_scale_ptr, rows, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
-    for tile in range(gl.program_id(0), num_tiles, nprog):
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         rows = pid_n * TILE_B + CID * HALF + offs_r
+        s0, s1 = _load_scales(b_scale_ptr, rows, 0, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
         acc = gl.zeros([HALF, TILE_A], gl.float32, mma)
         # Steps two at a time, A operands alternating between w and w2 with no register copies (a loop-
         # carried swap would move registers an MMA in flight reads, and ptxas would serialize the wgmma):
@@ -182,15 +171,21 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
         # prologue: one step into w2 (odd step count) or two, into w then w2 (even), so that the pairs
         # below cover the rest and each starts with the MMA of w2 in flight
         if ODD_STEPS:
-            start = 1
-            w2 = first
+            first = 1
+            mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+            bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
+            w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+            s0, s1 = _load_scales(b_scale_ptr, rows, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             # returns at once (one MMA in flight): acc back as a tensor, w2 kept live
             acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
             w = w2
         else:
-            start = 2
-            w = first
+            first = 2
+            mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+            bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
+            w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+            s0, s1 = _load_scales(b_scale_ptr, rows, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             s = (c + 1) % STAGES
@@ -201,7 +196,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             mbarrier.arrive(empty.index(c % STAGES))
-        for kk in range(start, k_steps, 2):
+        for kk in range(first, k_steps, 2):
             s = (c + kk) % STAGES
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
             mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
@@ -223,14 +218,6 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
         acc, w, w2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w, w2))
         mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES))
         c += k_steps
-        if tile + nprog < num_tiles:
-            pid_m2, pid_n2 = _tile_coords(tile + nprog, num_m, num_n, GROUP_M)
-            rows2 = pid_n2 * TILE_B + CID * HALF + offs_r
-            s0, s1 = _load_scales(b_scale_ptr, rows2, 0, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
-            bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
-            first = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows2, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
         amax = _max_nan(amax, gl.reduce(gl.abs(acc), 1, _max_nan))
         o = acc.to(gl.bfloat16)
         tma.store_wait(0)  # this warpgroup's previous tile has left its buffer
