@@ -1,5 +1,6 @@
 """MXFP8 GEMM (a [M, K], b [N, K] e4m3 MXTensors blocked along K, bf16 out): triton (sm90 TMA and pointer
-kernels, autotuned, and the "bf16" route: guarded dequantize to bf16 + one bf16 cuBLAS GEMM; sm100:
+kernels, autotuned, the "bf16" route: guarded dequantize to bf16 + one bf16 cuBLAS GEMM, and the "gluon"
+route: a dequantized to bf16, b's codes widened in a Gluon GEMM's registers; sm100:
 tl.dot_scaled) vs the bf16 GEMM of the same shape (torch.matmul, cuBLAS) vs
 torch._scaled_mm with per-tensor fp8 scales (cuBLAS fp8: the hardware's fp8 rate without block scales,
 an extra reference) vs the torch backend's mxfp8_gemm (dequantize + fp32 matmul).
@@ -79,18 +80,33 @@ def measure():
 
         ref = None
         variants = ["dot_scaled"] if triton_gemm.use_dot_scaled(a.data.device) else ["bf16", "tma", "pointer"]
+        if DEVICE == "cuda" and not triton_gemm.gluon_reasons(a, b):
+            variants.insert(1, "gluon")
         for variant in variants:
             out = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
             fn = lambda v=variant, o=out: triton_gemm.mxfp8_gemm_tensors(a, b, o, variant=v)  # noqa: E731
             secs = first_call_s(fn)
             tuner = {"tma": triton_gemm._gemm_tma, "pointer": triton_gemm._gemm_sm90,
-                     "dot_scaled": triton_gemm._gemm_sm100, "bf16": None}[variant]
+                     "dot_scaled": triton_gemm._gemm_sm100, "bf16": None, "gluon": None}[variant]
             REC.note(f"triton mxfp8_gemm [{variant}] {common['shape']}: first call {secs:.2f} s; "
                      f"pick {getattr(tuner, 'best_config', None) or '(fixed config)'}")
             got = fn()
             ref = got.clone() if ref is None else ref
             add(f"triton mxfp8 [{variant}]", bench_ms(fn), mx_bytes, diff=rel_diff(got, ref))
             del out, got
+            if variant == "gluon":  # its kernel alone (a dequantized beforehand)
+                from backends.triton import gemm_gluon
+                from backends.triton.quantize import dequantize_bf16_flat
+
+                flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+                lo, hi = triton_gemm.BF16_SAFE_SCALE_BYTES["e4m3"]
+                a16 = dequantize_bf16_flat(a, guard=(flag, lo, hi))
+                out = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+                strides = (b.scale.stride(0), b.scale.stride(1))
+                add("triton mxfp8 [gluon]: its GEMM kernel alone",
+                    bench_ms(lambda: gemm_gluon.launch(a16, b.data.view(torch.uint8), b.scale, strides, 0, False,
+                                                       False, (lo, hi), out, flag)), M * K * 2 + N * K + 2 * M * N)
+                del a16, out
             if variant == "bf16":  # its parts: the two guarded dequantize passes alone
                 from backends.triton.quantize import dequantize_bf16_flat
 

@@ -12,6 +12,11 @@ Kernel design
   the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96x
   the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
   dequantize passes are the difference).
+- sm90 by name, the "gluon" route (_launch_gluon, gemm_gluon.py; MXMLA_TRITON_GEMM_VARIANT=gluon): a
+  dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the registers of a Gluon
+  warp-specialized GEMM (wgmma with a register A operand), the same gated exact fallback. No bf16 copy
+  of b, but on the H200 it ran 0.93x cuBLAS against the bf16 route's 0.96-0.98x, so it is not the
+  default (its docstring says what limits it).
 - The block kernels (sm89; sm90 by name): one tensor-core tl.dot per 32-wide K block. For every K block b the
   program issues one dot of the codes from a zero accumulator (exactly one MX block), giving the
   block's partial sum P_b in fp32, and folds it in on the CUDA cores:

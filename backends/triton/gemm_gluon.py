@@ -1,35 +1,46 @@
 """The sm90 MXFP8 GEMM's "gluon" route (SEMANTICS.md section 5): out [M, N] = a [M, K] @ b [N, K]^T with
-b's e4m3 / e5m2 codes dequantized to bf16 in registers, as the register (A) operand of wgmma.
+b's e4m3 / e5m2 codes widened to bf16 in registers, as the register (A) operand of wgmma. Opt-in
+(MXMLA_TRITON_GEMM_VARIANT=gluon): on the H200 it is slower than the default "bf16" route (below).
 
-Why: the "bf16" route (gemm.py) dequantizes both operands to bf16 in flat passes and runs one cuBLAS
-GEMM; at [4096 x 1536] x [24576 x 1536] the passes cost ~0.04 ms beside a ~0.43 ms GEMM, and with them the
-route ran 0.96-0.97x the bf16 cuBLAS GEMM (BENCHMARKS.md). b is the large operand (37.7 MB of codes, 75 MB
-as bf16); here its codes go straight from global memory to the tensor cores:
+Why try it: the "bf16" route (gemm.py) dequantizes both operands in flat passes and runs one cuBLAS
+GEMM; at [4096 x 1536] x [24576 x 1536] the passes cost ~0.04 ms beside a ~0.43 ms GEMM, so that route
+sits at 0.96-0.98x the bf16 cuBLAS GEMM. b is the large operand (37.7 MB of codes, 75 MB as bf16);
+here its codes go from global memory to the tensor cores without a bf16 copy:
 
 - b's tiles travel by TMA as fp8 codes (half the bytes of bf16), are read from shared memory in the
   wgmma A-operand register layout, widened to bf16 (exact) and multiplied by their block's scale, a
   bf16 power of two (exact for scale bytes in BF16_SAFE_SCALE_BYTES), so the A operand holds exactly
-  dq(b). Because only the A operand can come from registers, the kernel computes out^T tiles
-  (b rows x a rows) and stores them transposed.
-- a (the small operand, 6.3 MB of codes) is dequantized to bf16 by the flat pass of the bf16 route
-  and read by TMA as the B operand.
-- Products exact, the sum in fp32 by the tensor cores, rounded once to bf16: the same contract as the
-  cuBLAS route.
+  dq(b). Only the A operand can come from registers, so the kernel computes out^T tiles (b rows x
+  a rows) and stores them transposed (stmatrix into the TMA-store tile).
+- a (the small operand, 6.3 MB of codes) is dequantized to bf16 by the bf16 route's flat pass and
+  read by TMA as the B operand.
+- Products exact, the sum in fp32 by the tensor cores, rounded once to bf16: the cuBLAS route's
+  contract. On the benchmark's data its output was byte-identical to the cuBLAS route's.
 
 Guards (the bf16 route's exact fallback kernel recomputes every tile when the flag is up): a's flat
-pass raises the flag for a's scale bytes outside the safe range or non-finite values; this kernel
-raises it for b's scale bytes outside the safe range and for any non-finite output (a NaN or Inf code
-of b always makes its output column non-finite, so its canonical-NaN rule and the exact-sum cases
-where fp32 overflows are left to the exact kernel).
+pass raises the flag for a's scale bytes outside the safe range and for non-finite values; this
+kernel raises it for b's scale bytes outside the safe range and when an output is not finite in bf16
+(NaN-propagating max of |acc|): a NaN code of b makes its whole output column NaN, so the canonical-NaN
+rule and the exact-sum cases where fp32 overflows are left to the exact kernel.
 
-Kernel: persistent, one program per SM, warp-specialized: a TMA producer warp and two consumer
-warpgroups taking alternate 128 x 128 output tiles (as mla_q_gluon's ws kernels): one's epilogue (bf16
-staging, transposed into shared memory, TMA store) runs under the other's main loop, and the main loops
-take turns on the tensor cores through a pair of mbarriers. In a main loop the two 64-row halves of the
-tile's b rows alternate: half 0 of step k is widened while half 1 of step k - 1 is on the tensor cores.
+Kernel: persistent (one program per SM), warp-specialized: a TMA producer warp and two consumer
+warpgroups that share each 256 (a rows) x 128 (b rows) output tile, 64 b rows each (out^T [64, 256]
+in 128 fp32 registers a thread). A ring of STAGES x (32 KB of a + 8 KB of codes) beside 2 x 32 KB of
+epilogue tiles. Step k's codes are widened while step k - 1's MMA runs, through two A register sets
+used alternately in a loop unrolled by two (a loop-carried swap moved registers an MMA in flight
+reads, and ptxas serialized the wgmma; so did a third set with wait(2): ptxas C7513).
 
-Scope: sm90, Triton 3.6 (Gluon is experimental; mla_q_gluon.VERIFIED_TRITON), bf16 output in a
-row-major contiguous tensor, K % 32 == 0 (MX blocks), b's codes K-contiguous with 16-byte aligned rows.
+Measured (H200, 2026-11-30, BENCHMARKS.md; tools/profile_cases.py gemm_gluon, in turns with cuBLAS):
+the kernel alone 0.951x the bf16 cuBLAS GEMM (0.4773 vs 0.4541 ms), the route 0.926x; ncu (locked
+clocks) put the tensor pipe at 74.9 % with 31.9 % issue slots busy. What limits it: 3072 tiles on
+132 SMs (3 % wave quantization), the epilogue and next-tile prologue not overlapped with MMAs
+(cooperative tiles), and the widening (per pair of codes: cvt e4m3x2 -> f16x2, two f16 -> bf16
+conversions, a permute, a bf16 multiply) on the conversion pipe. Two earlier forms, for the record:
+ping-pong warpgroups on 128 x 128 tiles ran 0.50x (one warp per scheduler could not widen twice the
+codes per MAC in time), and widening the next tile's first step before the epilogue ran 4 % slower.
+
+Scope: sm90, Triton 3.6 (Gluon is experimental; mla_q_gluon.VERIFIED_TRITON), bf16 output, K % 32 == 0
+(MX blocks), b's codes K-contiguous with 16-byte aligned rows.
 """
 from __future__ import annotations
 
