@@ -128,10 +128,12 @@ def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E
     """dq of a [64, BLOCK_K] code tile as bf16 in the wgmma A-operand layout: code widened (exact), times
     the bf16 factor 2^(s - 127) of its K block (exact for safe scale bytes; others raise the guard)."""
     codes = codes_smem.load(layout)
+    # through fp16 (exact for every e4m3 / e5m2 code, Inf and NaN included): Triton's direct e5m2 -> bf16
+    # conversion turned the NaN code into a finite value on the H200 (and Inf into 65536, _mxfp8)
     if IS_E5M2:
-        v = codes.to(gl.float8e5, bitcast=True).to(gl.bfloat16)
+        v = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.bfloat16)
     else:
-        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.bfloat16)
+        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.bfloat16)
     f0 = gl.expand_dims((s0 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
     if BLOCK_K == 64:
         f1 = gl.expand_dims((s1 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
