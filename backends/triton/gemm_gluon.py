@@ -61,7 +61,7 @@ _TILE_A, _TILE_B = 256, 128
 # the least fp32 that rounds (RN-even) to Inf in bf16: bits 0x7F7F8000, halfway above bf16's largest
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 # STAGES x (32 KB of a + 8 KB of b) beside 2 x 32 KB of epilogue tiles
-CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16), dict(BLOCK_K=64, STAGES=3, GROUP_M=16))
+CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16, HIGH_HALF=1), dict(BLOCK_K=64, STAGES=4, GROUP_M=16, HIGH_HALF=0))
 
 
 @gluon.jit
@@ -97,43 +97,55 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _scale_offsets(rows, kb, stride_row, stride_col, col_groups, SWIZZLED: gl.constexpr):
-    """Offsets of scale bytes S[rows, kb] in compact or swizzled (SEMANTICS 3 step 3) storage."""
+def _scale_row_ptrs(scale_ptr, rows, stride_row, col_groups, SWIZZLED: gl.constexpr):
+    """Pointers to S[rows, 0] in compact or swizzled (SEMANTICS 3 step 3) storage: the per-row part of the
+    offset, computed once a tile (_load_scales adds the K block's part)."""
     if SWIZZLED:
-        return (((rows // 128) * col_groups + kb // 4) * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4
-                + (kb % 4))
+        return scale_ptr + ((rows // 128) * col_groups * 512 + (rows % 32) * 16 + ((rows % 128) // 32) * 4)
     else:
-        return rows * stride_row + kb * stride_col
+        return scale_ptr + rows * stride_row
 
 
 @gluon.jit
-def _load_scales(scale_ptr, rows, kk, N, KB, stride_row, stride_col, col_groups,
-                 BLOCK_K: gl.constexpr, SWIZZLED: gl.constexpr):
-    """Scale bytes (int32) of rows at k-step kk: one per row for BLOCK_K 32, two (first, second K block)
+def _scale_col(kb, stride_col, SWIZZLED: gl.constexpr):
+    if SWIZZLED:
+        return (kb // 4) * 512 + kb % 4
+    else:
+        return kb * stride_col
+
+
+@gluon.jit
+def _load_scales(row_ptrs, row_ok, kk, KB, stride_col, BLOCK_K: gl.constexpr, SWIZZLED: gl.constexpr):
+    """Scale bytes (int32) of the rows at k-step kk: one per row for BLOCK_K 32, two (first, second K block)
     for 64; past N or K they read as 127 (factor 1, in range; those codes are TMA zero fill)."""
     kb = kk * (BLOCK_K // 32)
-    ok = rows < N
-    s0 = gl.load(scale_ptr + _scale_offsets(rows, kb, stride_row, stride_col, col_groups, SWIZZLED),
-                 mask=ok & (kb < KB), other=127).to(gl.int32)
+    s0 = gl.load(row_ptrs + _scale_col(kb, stride_col, SWIZZLED), mask=row_ok & (kb < KB), other=127).to(gl.int32)
     if BLOCK_K == 64:
-        s1 = gl.load(scale_ptr + _scale_offsets(rows, kb + 1, stride_row, stride_col, col_groups, SWIZZLED),
-                     mask=ok & (kb + 1 < KB), other=127).to(gl.int32)
+        s1 = gl.load(row_ptrs + _scale_col(kb + 1, stride_col, SWIZZLED), mask=row_ok & (kb + 1 < KB),
+                     other=127).to(gl.int32)
     else:
         s1 = s0
     return s0, s1
 
 
 @gluon.jit
-def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E5M2: gl.constexpr):
+def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E5M2: gl.constexpr,
+           HIGH_HALF: gl.constexpr):
     """dq of a [64, BLOCK_K] code tile as bf16 in the wgmma A-operand layout: code widened (exact), times
     the bf16 factor 2^(s - 127) of its K block (exact for safe scale bytes; others raise the guard)."""
     codes = codes_smem.load(layout)
     # through fp16 (exact for every e4m3 / e5m2 code, Inf and NaN included): Triton's direct e5m2 -> bf16
     # conversion turned the NaN code into a finite value on the H200 (and Inf into 65536, _mxfp8)
     if IS_E5M2:
-        v = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.bfloat16)
+        v32 = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.float32)
     else:
-        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.bfloat16)
+        v32 = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.float32)
+    if HIGH_HALF:
+        # fp32 -> bf16 as the high half (exact: these values have <= 4 significant bits; NaN stays NaN):
+        # integer permutes where the rounding convert uses the conversion pipe
+        v = (v32.to(gl.int32, bitcast=True) >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    else:
+        v = v32.to(gl.bfloat16)
     f0 = gl.expand_dims((s0 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
     if BLOCK_K == 64:
         f1 = gl.expand_dims((s1 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
@@ -154,7 +166,8 @@ def _max_nan(x, y):
 def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_scale_ptr, flag_ptr,
               M, N, K, stride_sr, stride_sc, col_groups,
               SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr,
+              HIGH_HALF: gl.constexpr):
     """One warpgroup: rows CID * 64 .. + 63 of every tile's b rows against its TILE_A a rows (out^T
     [64, TILE_A] in registers). Step k's b codes are widened while step k - 1's MMA runs (two A
     register sets: the wait that retires an MMA keeps its A operand alive until then)."""
@@ -175,7 +188,9 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
         rows = pid_n * TILE_B + CID * HALF + offs_r
-        s0, s1 = _load_scales(b_scale_ptr, rows, 0, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
+        srow = _scale_row_ptrs(b_scale_ptr, rows, stride_sr, col_groups, SWIZZLED)
+        sok = rows < N
+        s0, s1 = _load_scales(srow, sok, 0, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = gl.zeros([HALF, TILE_A], gl.float32, mma)
         # Steps two at a time, A operands alternating between w and w2 with no register copies (a loop-
         # carried swap would move registers an MMA in flight reads, and ptxas would serialize the wgmma):
@@ -187,8 +202,8 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             first = 1
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
+            w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            s0, s1 = _load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             # returns at once (one MMA in flight): acc back as a tensor, w2 kept live
             acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
@@ -197,15 +212,15 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             first = 2
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows, 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
+            w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            s0, s1 = _load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             s = (c + 1) % STAGES
             mbarrier.wait(ready.index(s), ((c + 1) // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows, 2, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K, SWIZZLED)
+            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            s0, s1 = _load_scales(srow, sok, 2, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             mbarrier.arrive(empty.index(c % STAGES))
@@ -213,18 +228,16 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             s = (c + kk) % STAGES
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
             mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-            w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows, kk + 1, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K,
-                                  SWIZZLED)
+            w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            s0, s1 = _load_scales(srow, sok, kk + 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
             mbarrier.arrive(empty.index((c + kk - 1) % STAGES))
             s = (c + kk + 1) % STAGES
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
             mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
-            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
-            s0, s1 = _load_scales(b_scale_ptr, rows, kk + 2, N, KB, stride_sr, stride_sc, col_groups, BLOCK_K,
-                                  SWIZZLED)
+            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            s0, s1 = _load_scales(srow, sok, kk + 2, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             mbarrier.arrive(empty.index((c + kk) % STAGES))
@@ -248,7 +261,7 @@ def _mxfp8_gemm_gluon_kernel(a_desc, b_desc, out_desc, b_scale_ptr, flag_ptr, M,
                              stride_sr, stride_sc, col_groups,
                              SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             ODD_STEPS: gl.constexpr):
+                             ODD_STEPS: gl.constexpr, HIGH_HALF: gl.constexpr):
     """Persistent (one program per SM): a TMA producer warp and two consumer warpgroups sharing each
     TILE_A x TILE_B output tile (64 of its b rows each)."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_A, BLOCK_K], a_desc.layout)
@@ -265,10 +278,10 @@ def _mxfp8_gemm_gluon_kernel(a_desc, b_desc, out_desc, b_scale_ptr, flag_ptr, M,
     gl.warp_specialize([
         (_consumer, (0, a_ring, b_ring, ready, empty, epi_a, out_desc, b_scale_ptr, flag_ptr, M, N, K,
                      stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, GROUP_M,
-                     ODD_STEPS)),
+                     ODD_STEPS, HIGH_HALF)),
         (_consumer, (1, a_ring, b_ring, ready, empty, epi_b, out_desc, b_scale_ptr, flag_ptr, M, N, K,
                      stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, GROUP_M,
-                     ODD_STEPS)),
+                     ODD_STEPS, HIGH_HALF)),
         (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 1], [232, 40])
 
@@ -304,4 +317,5 @@ def launch(a16: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor, scal
         SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2),  # ints: a bool constexpr cannot cross warp_specialize
         LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
         BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(triton.cdiv(k, bk) % 2 == 1),
+        HIGH_HALF=cfg["HIGH_HALF"],
         num_warps=NUM_WARPS)
