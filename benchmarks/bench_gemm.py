@@ -123,6 +123,18 @@ def measure():
                     2 * (M + N) * K + 2 * M * N)
                 del a16, b16
 
+        # The target's pair (the default route against the bf16 GEMM) timed in turns, 3 rounds: the bf16
+        # GEMM alone read 0.404-0.461 ms across one session's runs (different machines, clocks), so a
+        # ratio of two readings minutes apart carries that drift.
+        default = triton_gemm.gemm_variant(a, b)
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
+        pair = benchlib.interleaved_ms({"gemm": lambda: torch.matmul(x, w.t()),
+                                        "mx": lambda: triton_gemm.mxfp8_gemm_tensors(a, b, out)})
+        REC.row(op="gemm", impl=f"triton mxfp8 [{default}] (in turns with the bf16 GEMM: {pair['gemm']:.4f} ms)",
+                ms=pair["mx"], tflops=flops / pair["mx"] / 1e9, ratio=pair["gemm"] / pair["mx"], vs=VS,
+                bytes=mx_bytes, **common)
+        del out
+
         if DEVICE == "cuda" and hasattr(torch, "_scaled_mm"):
             try:
                 xf = x.to(torch.float8_e4m3fn)

@@ -381,7 +381,7 @@ def gemm_gluon(tokens: int = 4096) -> None:
            "gluon route": lambda: tg.mxfp8_gemm_tensors(a, b, out, variant="gluon"),
            "a16 pass": lambda: dequantize_bf16_flat(a, guard=(flag, lo, hi))}
     for cfg in gg.CONFIGS:
-        tag = f"BK{cfg['BLOCK_K']} S{cfg['STAGES']} G{cfg['GROUP_M']}"
+        tag = " ".join(f"{k}={v}" for k, v in cfg.items())
         fns[f"gluon kernel {tag}"] = (lambda c=cfg: gg.launch(a16, b_codes, b.scale, strides, 0, False, False,
                                                               (lo, hi), out, flag, c))
     times = {name: [] for name in fns}
@@ -391,7 +391,7 @@ def gemm_gluon(tokens: int = 4096) -> None:
     base = sorted(times["cuBLAS bf16"])[1]
     for name, ts in times.items():
         t = sorted(ts)[1]
-        print(f"T={tokens} {name:28s} {t:.4f} ms  cuBLAS/this {base / t:.3f}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
+        print(f"T={tokens} {name:46s} {t:.4f} ms  cuBLAS/this {base / t:.3f}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
 
 
 def gemm_gluon_launch(tokens: int = 4096) -> None:

@@ -61,7 +61,9 @@ _TILE_A, _TILE_B = 256, 128
 # the least fp32 that rounds (RN-even) to Inf in bf16: bits 0x7F7F8000, halfway above bf16's largest
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 # STAGES x (32 KB of a + 8 KB of b) beside 2 x 32 KB of epilogue tiles
-CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16, HIGH_HALF=1), dict(BLOCK_K=64, STAGES=4, GROUP_M=16, HIGH_HALF=0))
+# H200: 4 stages ran 5 % faster than 3 (5 do not fit)
+CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16), dict(BLOCK_K=64, STAGES=4, GROUP_M=8),
+           dict(BLOCK_K=64, STAGES=3, GROUP_M=16))
 
 
 @gluon.jit
@@ -129,23 +131,19 @@ def _load_scales(row_ptrs, row_ok, kk, KB, stride_col, BLOCK_K: gl.constexpr, SW
 
 
 @gluon.jit
-def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E5M2: gl.constexpr,
-           HIGH_HALF: gl.constexpr):
+def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E5M2: gl.constexpr):
     """dq of a [64, BLOCK_K] code tile as bf16 in the wgmma A-operand layout: code widened (exact), times
     the bf16 factor 2^(s - 127) of its K block (exact for safe scale bytes; others raise the guard)."""
     codes = codes_smem.load(layout)
-    # through fp16 (exact for every e4m3 / e5m2 code, Inf and NaN included): Triton's direct e5m2 -> bf16
-    # conversion turned the NaN code into a finite value on the H200 (and Inf into 65536, _mxfp8)
+    # through fp16 and fp32 (exact for every e4m3 / e5m2 code, Inf and NaN included): Triton's direct
+    # e5m2 -> bf16 conversion turned the NaN code into a finite value on the H200 (and Inf into 65536)
+    # (it compiles to cvt e4m3x2 -> f16x2, two HADD2.F32 and one f32x2 -> bf16x2 pack a pair; Triton's
+    # f16 -> bf16 path used two F2F and a permute a pair, and ran the kernel ~7 % slower on the H200;
+    # taking the fp32 high halves by integer permutes instead of the pack ran slower again)
     if IS_E5M2:
-        v32 = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.float32)
+        v = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.float32).to(gl.bfloat16)
     else:
-        v32 = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.float32)
-    if HIGH_HALF:
-        # fp32 -> bf16 as the high half (exact: these values have <= 4 significant bits; NaN stays NaN):
-        # integer permutes where the rounding convert uses the conversion pipe
-        v = (v32.to(gl.int32, bitcast=True) >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-    else:
-        v = v32.to(gl.bfloat16)
+        v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16).to(gl.float32).to(gl.bfloat16)
     f0 = gl.expand_dims((s0 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
     if BLOCK_K == 64:
         f1 = gl.expand_dims((s1 << 7).to(gl.int16).to(gl.bfloat16, bitcast=True), 1)
@@ -166,8 +164,7 @@ def _max_nan(x, y):
 def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_scale_ptr, flag_ptr,
               M, N, K, stride_sr, stride_sc, col_groups,
               SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr,
-              HIGH_HALF: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr):
     """One warpgroup: rows CID * 64 .. + 63 of every tile's b rows against its TILE_A a rows (out^T
     [64, TILE_A] in registers). Step k's b codes are widened while step k - 1's MMA runs (two A
     register sets: the wait that retires an MMA keeps its A operand alive until then)."""
@@ -202,7 +199,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             first = 1
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
             s0, s1 = _load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             # returns at once (one MMA in flight): acc back as a tensor, w2 kept live
@@ -212,14 +209,14 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             first = 2
             mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
             s0, s1 = _load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
             s = (c + 1) % STAGES
             mbarrier.wait(ready.index(s), ((c + 1) // STAGES) & 1)
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
-            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
             s0, s1 = _load_scales(srow, sok, 2, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
@@ -228,7 +225,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             s = (c + kk) % STAGES
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
             mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-            w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
             s0, s1 = _load_scales(srow, sok, kk + 1, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
@@ -236,7 +233,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
             s = (c + kk + 1) % STAGES
             bad |= (s0 < LO) | (s0 > HI) | (s1 < LO) | (s1 > HI)
             mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
-            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2, HIGH_HALF)
+            w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
             s0, s1 = _load_scales(srow, sok, kk + 2, KB, stride_sc, BLOCK_K, SWIZZLED)
             acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
             acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
@@ -261,7 +258,7 @@ def _mxfp8_gemm_gluon_kernel(a_desc, b_desc, out_desc, b_scale_ptr, flag_ptr, M,
                              stride_sr, stride_sc, col_groups,
                              SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
                              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                             ODD_STEPS: gl.constexpr, HIGH_HALF: gl.constexpr):
+                             ODD_STEPS: gl.constexpr):
     """Persistent (one program per SM): a TMA producer warp and two consumer warpgroups sharing each
     TILE_A x TILE_B output tile (64 of its b rows each)."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_A, BLOCK_K], a_desc.layout)
@@ -278,10 +275,10 @@ def _mxfp8_gemm_gluon_kernel(a_desc, b_desc, out_desc, b_scale_ptr, flag_ptr, M,
     gl.warp_specialize([
         (_consumer, (0, a_ring, b_ring, ready, empty, epi_a, out_desc, b_scale_ptr, flag_ptr, M, N, K,
                      stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, GROUP_M,
-                     ODD_STEPS, HIGH_HALF)),
+                     ODD_STEPS)),
         (_consumer, (1, a_ring, b_ring, ready, empty, epi_b, out_desc, b_scale_ptr, flag_ptr, M, N, K,
                      stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, GROUP_M,
-                     ODD_STEPS, HIGH_HALF)),
+                     ODD_STEPS)),
         (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, BLOCK_K, STAGES, GROUP_M)),
     ], [4, 1], [232, 40])
 
@@ -317,5 +314,4 @@ def launch(a16: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor, scal
         SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2),  # ints: a bool constexpr cannot cross warp_specialize
         LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
         BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(triton.cdiv(k, bk) % 2 == 1),
-        HIGH_HALF=cfg["HIGH_HALF"],
         num_warps=NUM_WARPS)
