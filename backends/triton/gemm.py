@@ -2,21 +2,20 @@
 MXTensors a [M, K], b [N, K] blocked along K (compact or swizzled scales, e4m3 or e5m2 elements).
 
 Kernel design
-- sm90 default, the "bf16" route (_launch_bf16): a code times its scale is a bf16 value exactly when
-  the scale byte lies in BF16_SAFE_SCALE_BYTES (e4m3 [10, 246], e5m2 [17, 239]), so a and b are
+- sm90 where the Gluon route cannot run (fp32 out, another Triton), the "bf16" route (_launch_bf16):
+  a code times its scale is a bf16 value exactly when the scale byte lies in BF16_SAFE_SCALE_BYTES (e4m3 [10, 246], e5m2 [17, 239]), so a and b are
   dequantized once to bf16 (quantize.dequantize_bf16_flat, a flat pass at ~3 TB/s that also raises a
   device flag for a byte outside that range or a NaN / Inf value), multiplied by one cuBLAS bf16
   GEMM with fp32 accumulation (bf16 reduced-precision split-K reductions off for the call), and the
   exact per-block kernel below is launched persistent and gated on the flag: when it is up, it
   recomputes every output tile; when it is down (real data), it returns at once. No host sync, so
-  the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96x
+  the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96-0.98x
   the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
   dequantize passes are the difference).
-- sm90 by name, the "gluon" route (_launch_gluon, gemm_gluon.py; MXMLA_TRITON_GEMM_VARIANT=gluon): a
-  dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the registers of a Gluon
-  warp-specialized GEMM (wgmma with a register A operand), the same gated exact fallback. No bf16 copy
-  of b, but on the H200 it ran 0.93x cuBLAS against the bf16 route's 0.96-0.98x, so it is not the
-  default (its docstring says what limits it).
+- sm90 default where it can run (bf16 out, Triton 3.6), the "gluon" route (_launch_gluon,
+  gemm_gluon.py): a dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the
+  registers of a Gluon warp-specialized GEMM (wgmma with a register A operand), the same gated exact
+  fallback; no bf16 copy of b. Its figures against cuBLAS are in gemm_gluon.py and BENCHMARKS.md.
 - The block kernels (sm89; sm90 by name): one tensor-core tl.dot per 32-wide K block. For every K block b the
   program issues one dot of the codes from a zero accumulator (exactly one MX block), giving the
   block's partial sum P_b in fp32, and folds it in on the CUDA cores:
@@ -401,16 +400,17 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def gemm_variant(a: MXTensor, b: MXTensor) -> str:
-    """"dot_scaled" (sm100+), "bf16", "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=
-    bf16|tma|pointer forces one of the sm89/sm90 routes (the interpreter runs all three); default on
-    sm90: "bf16" (dequantize to bf16, one bf16 tensor-core GEMM, exact fallback: _launch_bf16)."""
+def gemm_variant(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> str:
+    """"dot_scaled" (sm100+), "gluon", "bf16", "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=
+    gluon|bf16|tma|pointer forces one of the sm89/sm90 routes (the interpreter runs the last three);
+    default on sm90: "gluon" where gluon_reasons is empty (Triton 3.6, bf16 out, TMA-addressable codes),
+    else "bf16" (dequantize to bf16, one cuBLAS bf16 GEMM); both with the gated exact fallback."""
     device = a.data.device
     if use_dot_scaled(device):
         return "dot_scaled"
     choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto")
     if choice == "gluon":
-        reasons = gluon_reasons(a, b)
+        reasons = gluon_reasons(a, b, out_dtype)
         if reasons:
             raise ValueError("MXMLA_TRITON_GEMM_VARIANT=gluon cannot run here: " + "; ".join(reasons))
         return "gluon"
@@ -422,7 +422,7 @@ def gemm_variant(a: MXTensor, b: MXTensor) -> str:
     if choice == "tma":
         return "tma"
     if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "bf16"
+        return "gluon" if not gluon_reasons(a, b, out_dtype) else "bf16"
     return "pointer"
 
 
@@ -592,7 +592,7 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
         return out.zero_()
     a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
     b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
-    variant = variant or gemm_variant(a, b)
+    variant = variant or gemm_variant(a, b, "bfloat16" if out.dtype == torch.bfloat16 else "float32")
     if variant == "gluon":
         return _launch_gluon(a, b, out, config)
     if variant == "bf16":

@@ -273,7 +273,8 @@ class _CudaCodes:
 
 
 def test_gemm_variant_default(monkeypatch):
-    # sm90 takes the bf16 route by default, sm89 the block kernel, sm100 dot_scaled; the switch forces.
+    # sm90 takes the Gluon route by default where it can run, else the bf16 route; sm89 the block kernel,
+    # sm100 dot_scaled; the switch forces.
     import types
 
     import backends.triton.gemm as mod
@@ -281,9 +282,12 @@ def test_gemm_variant_default(monkeypatch):
     t = types.SimpleNamespace(data=_CudaCodes())
     monkeypatch.delenv("MXMLA_TRITON_GEMM_VARIANT", raising=False)
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
-    for cc, want in (((9, 0), "bf16"), ((8, 9), "pointer"), ((10, 0), "dot_scaled")):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, cc=cc: cc)
-        assert mod.gemm_variant(t, t) == want, cc
+    for gluon_ok in (True, False):
+        monkeypatch.setattr(mod, "gluon_reasons",
+                            lambda a, b, out_dtype="bfloat16", ok=gluon_ok: [] if ok else ["a reason"])
+        for cc, want in (((9, 0), "gluon" if gluon_ok else "bf16"), ((8, 9), "pointer"), ((10, 0), "dot_scaled")):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, cc=cc: cc)
+            assert mod.gemm_variant(t, t) == want, (cc, gluon_ok)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     for forced in ("pointer", "tma", "bf16"):
         monkeypatch.setenv("MXMLA_TRITON_GEMM_VARIANT", forced)
