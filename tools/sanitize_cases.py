@@ -61,12 +61,18 @@ def cases():
         "mla_attention", q_mx, k_mx, v_mx, causal=True, backend="triton")
     a_mx = dispatch.run("mxfp8_quantize", randn(96, 160), axis=-1, **quant)
     b_mx = dispatch.run("mxfp8_quantize", randn(72, 160), axis=-1, **quant)
-    yield "mxfp8_gemm (bf16 route)", lambda: dispatch.run("mxfp8_gemm", a_mx, b_mx, backend="triton")
+    from backends.triton import gemm as triton_gemm
+
     nan_scale = b_mx.scale.clone()
     nan_scale[3, 1] = 255
     b_nan = b_mx.replace(scale=nan_scale)
-    yield "mxfp8_gemm (bf16 route, guard raised: exact fallback)", lambda: dispatch.run(
-        "mxfp8_gemm", a_mx, b_nan, backend="triton")
+    routes = ["bf16"] + (["gluon"] if not triton_gemm.gluon_reasons(a_mx, b_mx) else [])
+    for route in routes:  # K = 160: an odd step count and a K tail; N = 72: a partial b tile
+        yield f"mxfp8_gemm ({route} route)", lambda r=route: triton_gemm.mxfp8_gemm_tensors(
+            a_mx, b_mx, torch.empty(96, 72, dtype=torch.bfloat16, device=dev), variant=r)
+        yield f"mxfp8_gemm ({route} route, guard raised: exact fallback)", lambda r=route: \
+            triton_gemm.mxfp8_gemm_tensors(a_mx, b_nan, torch.empty(96, 72, dtype=torch.bfloat16, device=dev),
+                                           variant=r)
     yield "rmsnorm_mxfp8", lambda: dispatch.run(
         "rmsnorm_mxfp8", randn(96, 256), randn(256, dtype=torch.float32), backend="triton")
 
