@@ -1,11 +1,11 @@
 """The sm90 MXFP8 GEMM's "gluon" route (SEMANTICS.md section 5): out [M, N] = a [M, K] @ b [N, K]^T with
-b's e4m3 / e5m2 codes widened to bf16 in registers, as the register (A) operand of wgmma. Opt-in
-(MXMLA_TRITON_GEMM_VARIANT=gluon): on the H200 it is slower than the default "bf16" route (below).
+b's e4m3 / e5m2 codes widened to bf16 in registers, as the register (A) operand of wgmma. The sm90
+default where it can run (gemm.gemm_variant; MXMLA_TRITON_GEMM_VARIANT forces a route).
 
-Why try it: the "bf16" route (gemm.py) dequantizes both operands in flat passes and runs one cuBLAS
-GEMM; at [4096 x 1536] x [24576 x 1536] the passes cost ~0.04 ms beside a ~0.43 ms GEMM, so that route
-sits at 0.96-0.98x the bf16 cuBLAS GEMM. b is the large operand (37.7 MB of codes, 75 MB as bf16);
-here its codes go from global memory to the tensor cores without a bf16 copy:
+Why: the "bf16" route (gemm.py) dequantizes both operands in flat passes and runs one cuBLAS GEMM; at
+[4096 x 1536] x [24576 x 1536] the passes cost ~0.04 ms beside a ~0.43 ms GEMM, so that route sits at
+0.96-0.99x the bf16 cuBLAS GEMM. b is the large operand (37.7 MB of codes, 75 MB as bf16); here its
+codes go from global memory to the tensor cores without a bf16 copy:
 
 - b's tiles travel by TMA as fp8 codes (half the bytes of bf16), are read from shared memory in the
   wgmma A-operand register layout, widened to bf16 (exact) and multiplied by their block's scale, a
@@ -30,14 +30,17 @@ epilogue tiles. Step k's codes are widened while step k - 1's MMA runs, through 
 used alternately in a loop unrolled by two (a loop-carried swap moved registers an MMA in flight
 reads, and ptxas serialized the wgmma; so did a third set with wait(2): ptxas C7513).
 
-Measured (H200, 2026-11-30, BENCHMARKS.md; tools/profile_cases.py gemm_gluon, in turns with cuBLAS):
-the kernel alone 0.951x the bf16 cuBLAS GEMM (0.4773 vs 0.4541 ms), the route 0.926x; ncu (locked
-clocks) put the tensor pipe at 74.9 % with 31.9 % issue slots busy. What limits it: 3072 tiles on
-132 SMs (3 % wave quantization), the epilogue and next-tile prologue not overlapped with MMAs
-(cooperative tiles), and the widening (per pair of codes: cvt e4m3x2 -> f16x2, two f16 -> bf16
-conversions, a permute, a bf16 multiply) on the conversion pipe. Two earlier forms, for the record:
-ping-pong warpgroups on 128 x 128 tiles ran 0.50x (one warp per scheduler could not widen twice the
-codes per MAC in time), and widening the next tile's first step before the epilogue ran 4 % slower.
+Measured (H200, 2026-11-30, BENCHMARKS.md; `tools/profile_cases.py gemm_gluon` and `bench_gemm.py`, in
+turns with cuBLAS): the route **1.013x** the bf16 cuBLAS GEMM (0.4462 vs 0.4519 ms), the kernel alone
+1.047x; byte-identical to the cuBLAS route on that data. ncu of an earlier form (locked clocks): tensor
+pipe 74.9 %, issue slots 31.9 %. What limits it: 3072 tiles on 132 SMs (3 % wave quantization), the
+epilogue and next-tile prologue not overlapped with MMAs (cooperative tiles), 4 ring stages at most
+(3 ran 5 % slower; 5 do not fit beside the epilogue tiles). The widening is cvt e4m3x2 -> f16x2, two
+HADD2.F32 and one f32x2 -> bf16x2 pack a pair of codes, then a bf16 multiply by the block's factor:
+Triton's own f16 -> bf16 (two F2F and a permute a pair) ran the kernel ~7 % slower, and taking the
+fp32 high halves by integer permutes instead of the pack ran slower too. Earlier forms, for the
+record: ping-pong warpgroups on 128 x 128 tiles ran 0.50x (one warp per scheduler could not widen
+twice the codes per MAC in time); widening the next tile's first step before the epilogue, 4 % slower.
 
 Scope: sm90, Triton 3.6 (Gluon is experimental; mla_q_gluon.VERIFIED_TRITON), bf16 output, K % 32 == 0
 (MX blocks), b's codes K-contiguous with 16-byte aligned rows.
@@ -137,9 +140,7 @@ def _widen(codes_smem, s0, s1, layout: gl.constexpr, BLOCK_K: gl.constexpr, IS_E
     codes = codes_smem.load(layout)
     # through fp16 and fp32 (exact for every e4m3 / e5m2 code, Inf and NaN included): Triton's direct
     # e5m2 -> bf16 conversion turned the NaN code into a finite value on the H200 (and Inf into 65536)
-    # (it compiles to cvt e4m3x2 -> f16x2, two HADD2.F32 and one f32x2 -> bf16x2 pack a pair; Triton's
-    # f16 -> bf16 path used two F2F and a permute a pair, and ran the kernel ~7 % slower on the H200;
-    # taking the fp32 high halves by integer permutes instead of the pack ran slower again)
+    # (cvt e4m3x2 -> f16x2, two HADD2.F32 and one f32x2 -> bf16x2 pack a pair: see the module notes)
     if IS_E5M2:
         v = codes.to(gl.float8e5, bitcast=True).to(gl.float16).to(gl.float32).to(gl.bfloat16)
     else:
