@@ -56,6 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .mla_q_gluon import _tile_coords  # (a tile, b tile) in grouped order: GROUP_M a tiles per b tile
+
 TILE_A = gl.constexpr(256)  # output tile: TILE_A rows of a (tokens) x TILE_B rows of b (features)
 TILE_B = gl.constexpr(128)
 HALF = gl.constexpr(64)  # b rows per consumer warpgroup (one wgmma M)
@@ -67,16 +69,6 @@ BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 # H200: 4 stages ran 5 % faster than 3 (5 do not fit)
 CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=16), dict(BLOCK_K=64, STAGES=4, GROUP_M=8),
            dict(BLOCK_K=64, STAGES=3, GROUP_M=16))
-
-
-@gluon.jit
-def _tile_coords(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    """(a tile, b tile) of a tile index: GROUP_M a tiles per b tile run together (the group's a rows
-    stay in L2 while b streams through)."""
-    per_group = GROUP_M * num_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
 
 
 @gluon.jit

@@ -182,6 +182,15 @@ def test_random_within_bound(device, gemm, variant, out_dtype):
     assert np.all(np.abs(got - want) <= ulp + 2 * k * 2.0 ** -24 * (da @ db.T))
 
 
+def _with_extreme_block(t: MXTensor, byte: int) -> MXTensor:
+    """t with scale byte `byte` on row 5's second K block and row 5's first block zeroed: that block is
+    row 5's only contribution, so fp32 sums of it stay exact in any order."""
+    scale, codes = t.scale.copy(), t.data.copy()
+    scale[5, 1] = byte
+    codes[5, :32] = 0
+    return t.replace(data=codes, scale=scale)
+
+
 @pytest.mark.parametrize("elem", ["e4m3", "e5m2"])
 def test_bf16_route_guard(device, gemm, elem):
     # The bf16 route's guard: scale bytes at the ends of BF16_SAFE_SCALE_BYTES keep the flag down, one
@@ -193,11 +202,7 @@ def test_bf16_route_guard(device, gemm, elem):
     rng = _seed("guard", elem)
     b = small_int_operand(rng, 40, 64)
     for byte, raised in ((lo, False), (hi, False), (lo - 1, True), (hi + 1, True), (255, True)):
-        a = small_int_operand(rng, 33, 64, elem=elem)
-        scale, codes = a.scale.copy(), a.data.copy()
-        scale[5, 1] = byte
-        codes[5, :32] = 0  # row 5 is its extreme block alone: fp32 sums of it stay exact in any order
-        a = a.replace(data=codes, scale=scale)
+        a = _with_extreme_block(small_int_operand(rng, 33, 64, elem=elem), byte)
         flag = torch.zeros(1, dtype=torch.int32, device=device)
         dequantize_bf16_flat(to_torch(a, device), guard=(flag, lo, hi))
         assert bool(flag.item()) == raised, f"{elem} scale byte {byte}: flag {flag.item()}"
@@ -236,11 +241,7 @@ def test_gluon_route_guard(device, gemm, elem):
         return bool(flag.item())
 
     for byte, raised in ((lo, False), (hi, False), (lo - 1, True), (hi + 1, True), (255, True)):
-        b = small_int_operand(rng, 200, 64, elem=elem)
-        scale, codes = b.scale.copy(), b.data.copy()
-        scale[5, 1] = byte
-        codes[5, :32] = 0  # row 5 is its extreme block alone: fp32 sums of it stay exact in any order
-        b = b.replace(data=codes, scale=scale)
+        b = _with_extreme_block(small_int_operand(rng, 200, 64, elem=elem), byte)
         assert kernel_flag(a, b) == raised, f"{elem} scale byte {byte}"
         got = _run(gemm, a, b, "bfloat16", device, "gluon")
         assert_bytes_equal(got, spec.mxfp8_gemm(a, b, "bfloat16"), f"{elem} byte {byte}")
