@@ -293,6 +293,9 @@ class Recorder:
         self.notes.append(text)
 
     def run(self, measure, *args, **kwargs) -> None:
+        # a process started from a background job (`cmd &` in a script, nohup) inherits SIGINT ignored,
+        # and Python then raises no KeyboardInterrupt: a time cap's SIGINT would go unheard
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             measure(*args, **kwargs)
         except KeyboardInterrupt:

@@ -317,6 +317,7 @@ def git_commit() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # heard even when started from a background job
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     split = lambda text: [s for s in re.split(r"[,\s]+", text or "") if s]  # noqa: E731

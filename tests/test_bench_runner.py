@@ -263,12 +263,19 @@ def test_bench_script_smoke(name, tmp_path):
     assert not proc.stdout.rstrip().splitlines()[-1].startswith(benchlib.ROW_PREFIX)
 
 
-def test_sigint_keeps_the_rows_measured(tmp_path):
-    """A time cap's SIGINT mid-run: the script stops and still writes the JSON of what it measured."""
+def _ignore_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_keeps_the_rows_measured(tmp_path, inherited):
+    """A time cap's SIGINT mid-run: the script stops and still writes the JSON of what it measured; also
+    when it was started with SIGINT ignored, as a background job's children are (`cmd &`, nohup)."""
     out = tmp_path / "bench_rope.json"
     proc = subprocess.Popen([sys.executable, str(BENCH_DIR / "bench_rope.py"), "--smoke", "--tokens", "32,64,96",
                              "--json", str(out)], cwd=REPO, env=smoke_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_ignore_sigint if inherited == "ignored" else None)
     seen = 0
     try:
         for line in proc.stdout:
