@@ -303,6 +303,17 @@ def test_gemm_variant_default(monkeypatch):
         mod.gemm_variant(t, t)
 
 
+def test_gluon_launch_rejects_bad_configs():
+    # the launcher checks its config before touching any tensor: unknown keys and a BLOCK_K the kernel's
+    # scale handling does not cover are named
+    gemm_gluon = pytest.importorskip("backends.triton.gemm_gluon")
+    args = (None,) * 10
+    with pytest.raises(ValueError, match=r"config: the Gluon GEMM takes keys \['BLOCK_K', 'GROUP_M', 'STAGES'\]"):
+        gemm_gluon.launch(*args, config=dict(BLOCK_K=64, STAGES=4))
+    with pytest.raises(ValueError, match="config: BLOCK_K must be 32 or 64, got 128"):
+        gemm_gluon.launch(*args, config=dict(BLOCK_K=128, STAGES=2, GROUP_M=16))
+
+
 def test_gluon_reasons_plumbing(monkeypatch):
     # The Gluon route's gate with the device mocked: CPU / interpreter refused with the reason; on a mocked
     # sm90 the Triton release, bf16 output and TMA-addressable codes are each named when they fail.
