@@ -95,17 +95,13 @@ def measure():
             add(f"triton mxfp8 [{variant}]", bench_ms(fn), mx_bytes, diff=rel_diff(got, ref))
             del out, got
             if variant == "gluon":  # its kernel alone (a dequantized beforehand)
-                from backends.triton import gemm_gluon
                 from backends.triton.quantize import dequantize_bf16_flat
 
                 flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-                lo, hi = triton_gemm.BF16_SAFE_SCALE_BYTES["e4m3"]
-                a16 = dequantize_bf16_flat(a, guard=(flag, lo, hi))
+                a16 = dequantize_bf16_flat(a, guard=(flag, *triton_gemm.BF16_SAFE_SCALE_BYTES["e4m3"]))
                 out = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
-                strides = (b.scale.stride(0), b.scale.stride(1))
                 add("triton mxfp8 [gluon]: its GEMM kernel alone",
-                    bench_ms(lambda: gemm_gluon.launch(a16, b.data.view(torch.uint8), b.scale, strides, 0, False,
-                                                       False, (lo, hi), out, flag)), M * K * 2 + N * K + 2 * M * N)
+                    bench_ms(lambda: triton_gemm.gluon_gemm_kernel(a16, b, out, flag)), M * K * 2 + N * K + 2 * M * N)
                 del a16, out
             if variant == "bf16":  # its parts: the two guarded dequantize passes alone
                 from backends.triton.quantize import dequantize_bf16_flat

@@ -331,6 +331,16 @@ def host(tokens: int, calls: int = 200) -> None:
     print(out.getvalue())
 
 
+def _gemm_inputs(tokens: int, generator):
+    """bf16 x [tokens, 1536] and w [24576, 1536] (seeded) and their e4m3 MXTensors, blocked along K."""
+    from backends.torch import quantize as tq
+
+    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+    x = torch.randn(tokens, 1536, generator=generator).to(torch.bfloat16).cuda()
+    w = (torch.randn(24576, 1536, generator=generator) * 0.02).to(torch.bfloat16).cuda()
+    return x, w, tq.mxfp8_quantize(x, axis=1, **quant), tq.mxfp8_quantize(w, axis=1, **quant)
+
+
 def gemm_gluon(tokens: int = 4096) -> None:
     """The MXFP8 GEMM [tokens x 1536] x [24576 x 1536]: the Gluon route (per config) and its kernel
     alone, the bf16 route, and the bf16 cuBLAS GEMM, timed in turns (3 rounds, medians of do_bench);
@@ -346,44 +356,34 @@ def gemm_gluon(tokens: int = 4096) -> None:
     def ms(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    n, k = 24576, 1536
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
-    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).cuda()
-    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-    a = tq.mxfp8_quantize(x, axis=1, **quant)
-    b = tq.mxfp8_quantize(w, axis=1, **quant)
+    x, w, a, b = _gemm_inputs(tokens, g)
+    n = w.shape[0]
     ref = tg.mxfp8_gemm_tensors(a, b, torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda"), variant="bf16")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    a16 = dequantize_bf16_flat(a, guard=(flag, 10, 246))
     lo, hi = tg.BF16_SAFE_SCALE_BYTES["e4m3"]
-    b_codes = b.data.view(torch.uint8)
-    strides = (b.scale.stride(0), b.scale.stride(1))
+    a16 = dequantize_bf16_flat(a, guard=(flag, lo, hi))
     out = torch.empty(tokens, n, dtype=torch.bfloat16, device="cuda")
     for cfg in gg.CONFIGS:
         out.view(torch.int16).fill_(-1)  # poison: an unwritten element stays NaN
         flag.zero_()
-        gg.launch(a16, b_codes, b.scale, strides, 0, False, False, (lo, hi), out, flag, cfg)
+        tg.gluon_gemm_kernel(a16, b, out, flag, cfg)
         torch.cuda.synchronize()
         d = (out.float() - ref.float()).abs()
         print(f"check {cfg}: flag {int(flag.item())}, NaN {int(torch.isnan(out).sum())}, "
               f"max|gluon - bf16 route| {float(d.max()):.3e} (max|ref| {float(ref.float().abs().max()):.3e}), "
               f"bytes differing {int((out.view(torch.int16) != ref.view(torch.int16)).sum())} of {out.numel()}")
-    for scale_layout in ("swizzled",):
-        bs = tq.mxfp8_quantize(w, axis=1, **dict(quant, scale_layout=scale_layout))
-        got = tg.mxfp8_gemm_tensors(a, bs, torch.empty_like(out), variant="gluon")
-        print(f"check route, b scales {scale_layout}: max|gluon - bf16 route| "
-              f"{float((got.float() - ref.float()).abs().max()):.3e}")
-    xb = torch.randn(tokens, k, generator=g).to(torch.bfloat16).cuda()
-    wb = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16).cuda()
+    bs = tq.mxfp8_quantize(w, axis=1, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="swizzled")
+    got = tg.mxfp8_gemm_tensors(a, bs, torch.empty_like(out), variant="gluon")
+    print(f"check route, b scales swizzled: max|gluon - bf16 route| {float((got.float() - ref.float()).abs().max()):.3e}")
+    xb, wb, _, _ = _gemm_inputs(tokens, g)
     fns = {"cuBLAS bf16": lambda: torch.matmul(xb, wb.t()),
            "bf16 route": lambda: tg.mxfp8_gemm_tensors(a, b, out, variant="bf16"),
            "gluon route": lambda: tg.mxfp8_gemm_tensors(a, b, out, variant="gluon"),
            "a16 pass": lambda: dequantize_bf16_flat(a, guard=(flag, lo, hi))}
     for cfg in gg.CONFIGS:
         tag = " ".join(f"{k}={v}" for k, v in cfg.items())
-        fns[f"gluon kernel {tag}"] = (lambda c=cfg: gg.launch(a16, b_codes, b.scale, strides, 0, False, False,
-                                                              (lo, hi), out, flag, c))
+        fns[f"gluon kernel {tag}"] = lambda c=cfg: tg.gluon_gemm_kernel(a16, b, out, flag, c)
     times = {name: [] for name in fns}
     for _ in range(3):
         for name, fn in fns.items():
@@ -397,22 +397,15 @@ def gemm_gluon(tokens: int = 4096) -> None:
 def gemm_gluon_launch(tokens: int = 4096) -> None:
     """Three launches of the Gluon MXFP8 GEMM kernel alone ([tokens x 1536] x [24576 x 1536]), for ncu
     (`--kernel-name regex:_mxfp8_gemm_gluon --launch-skip 2 --launch-count 1`)."""
-    from backends.torch import quantize as tq
     from backends.triton import gemm as tg
-    from backends.triton import gemm_gluon as gg
     from backends.triton.quantize import dequantize_bf16_flat
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    quant = dict(elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
-    a = tq.mxfp8_quantize(torch.randn(tokens, 1536, generator=g).to(torch.bfloat16).cuda(), axis=1, **quant)
-    b = tq.mxfp8_quantize((torch.randn(24576, 1536, generator=g) * 0.02).to(torch.bfloat16).cuda(), axis=1, **quant)
+    _, _, a, b = _gemm_inputs(tokens, torch.Generator(device="cpu").manual_seed(0))
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    lo, hi = tg.BF16_SAFE_SCALE_BYTES["e4m3"]
-    a16 = dequantize_bf16_flat(a, guard=(flag, lo, hi))
-    out = torch.empty(tokens, 24576, dtype=torch.bfloat16, device="cuda")
+    a16 = dequantize_bf16_flat(a, guard=(flag, *tg.BF16_SAFE_SCALE_BYTES["e4m3"]))
+    out = torch.empty(tokens, b.data.shape[0], dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
-        gg.launch(a16, b.data.view(torch.uint8), b.scale, (b.scale.stride(0), b.scale.stride(1)), 0, False, False,
-                  (lo, hi), out, flag)
+        tg.gluon_gemm_kernel(a16, b, out, flag)
     torch.cuda.synchronize()
 
 

@@ -540,23 +540,27 @@ def _exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Ten
         WIDEN_F16=fp8_mma_widened(out.device), GATED=True, **cfg)
 
 
-def _launch_gluon(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None) -> torch.Tensor:
-    """The Gluon sm90 route: a dequantized to bf16 by the guarded flat pass, b's codes widened in the
-    GEMM's registers (gemm_gluon.py), the exact kernel as the gated fallback. A non-contiguous out
-    (or one with rows not 16-byte aligned) gets a padded buffer, copied back."""
+def gluon_gemm_kernel(a16: torch.Tensor, b: MXTensor, out: torch.Tensor, flag: torch.Tensor, config=None) -> None:
+    """The Gluon route's GEMM alone (gemm_gluon.launch): out [M, N] bf16 (TMA-addressable) = a16 [M, K]
+    bf16 @ dq(b)^T, raising *flag for b's scale bytes outside BF16_SAFE_SCALE_BYTES or an output not
+    finite in bf16."""
     from . import gemm_gluon
 
-    reasons = gluon_reasons(a, b, "bfloat16" if out.dtype == torch.bfloat16 else "float32")
-    if reasons:
-        raise ValueError("variant 'gluon' cannot run here: " + "; ".join(reasons))
+    b_data, b_scale, strides, b_groups, b_swz = _operand(b)
+    gemm_gluon.launch(a16, b_data.view(torch.uint8), b_scale, strides, b_groups, b_swz, b.elem == "e5m2",
+                      BF16_SAFE_SCALE_BYTES[b.elem], out, flag, config)
+
+
+def _launch_gluon(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None) -> torch.Tensor:
+    """The Gluon sm90 route: a dequantized to bf16 by the guarded flat pass, b's codes widened in the
+    GEMM's registers (gluon_gemm_kernel), the exact kernel as the gated fallback. An out whose rows are
+    not TMA-addressable gets a padded buffer, copied back."""
     flag = torch.zeros(1, dtype=torch.int32, device=out.device)
     a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
-    b_data, b_scale, strides, b_groups, b_swz = _operand(b)
     m, n = out.shape
     # TMA needs 16-byte aligned rows: otherwise a padded buffer, its [m, n] view written, then copied
     dst = out if _tma_ok(out) else torch.empty((m, _roundup(n, 8)), dtype=out.dtype, device=out.device)[:, :n]
-    gemm_gluon.launch(a16, b_data.view(torch.uint8), b_scale, strides, b_groups, b_swz, b.elem == "e5m2",
-                      BF16_SAFE_SCALE_BYTES[b.elem], dst, flag, config)
+    gluon_gemm_kernel(a16, b, dst, flag, config)
     if dst is not out:
         out.copy_(dst)
     _exact_fallback(a, b, out, flag)
@@ -583,7 +587,8 @@ def _sm_count(device: torch.device) -> int:
 
 def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None, config=None) -> torch.Tensor:
     """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors.
-    variant: "bf16" | "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed tile dict."""
+    variant: "gluon" | "bf16" | "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed
+    tile dict (for "gluon", one of gemm_gluon.CONFIGS' form)."""
     m, k = a.data.shape
     n = b.data.shape[0]
     if m == 0 or n == 0:
@@ -592,7 +597,12 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
         return out.zero_()
     a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
     b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
-    variant = variant or gemm_variant(a, b, "bfloat16" if out.dtype == torch.bfloat16 else "float32")
+    out_dtype_name = "bfloat16" if out.dtype == torch.bfloat16 else "float32"
+    if variant == "gluon":  # named by the caller (gemm_variant checks its own choice)
+        reasons = gluon_reasons(a, b, out_dtype_name)
+        if reasons:
+            raise ValueError("variant 'gluon' cannot run here: " + "; ".join(reasons))
+    variant = variant or gemm_variant(a, b, out_dtype_name)
     if variant == "gluon":
         return _launch_gluon(a, b, out, config)
     if variant == "bf16":

@@ -222,7 +222,6 @@ def test_gluon_route_guard(device, gemm, elem):
     # above): the ends of BF16_SAFE_SCALE_BYTES keep the flag down, one byte past either end, a NaN code
     # of b, or an output that overflows bf16 raise it; the route's bytes are spec's either way.
     _skip_unsupported(device, "gluon")
-    from backends.triton import gemm_gluon
     from backends.triton.quantize import dequantize_bf16_flat
 
     lo, hi = gemm.BF16_SAFE_SCALE_BYTES[elem]
@@ -236,8 +235,7 @@ def test_gluon_route_guard(device, gemm, elem):
         a16 = dequantize_bf16_flat(at, guard=(flag, *gemm.BF16_SAFE_SCALE_BYTES[a.elem]))
         assert flag.item() == 0
         out = gemm._empty((a.shape[0], b.shape[0]), torch.bfloat16, torch.device(device))
-        gemm_gluon.launch(a16, bt.data.view(torch.uint8), bt.scale, (bt.scale.stride(0), bt.scale.stride(1)), 0,
-                          False, b.elem == "e5m2", (lo, hi), out, flag)
+        gemm.gluon_gemm_kernel(a16, bt, out, flag)
         return bool(flag.item())
 
     for byte, raised in ((lo, False), (hi, False), (lo - 1, True), (hi + 1, True), (255, True)):
@@ -301,6 +299,31 @@ def test_gemm_variant_default(monkeypatch):
     monkeypatch.setattr(mod, "gluon_reasons", lambda a, b, out_dtype="bfloat16": ["needs an sm90 GPU"])
     with pytest.raises(ValueError, match="MXMLA_TRITON_GEMM_VARIANT=gluon cannot run here: needs an sm90 GPU"):
         mod.gemm_variant(t, t)
+
+
+@pytest.mark.parametrize("layout", ["compact", "swizzled"])
+def test_gluon_kernel_plumbing(monkeypatch, layout):
+    # gluon_gemm_kernel hands the launcher b's codes as bytes, its scale bytes with their layout (strides
+    # or swizzle groups), its element format and safe range, and the caller's config (launcher mocked)
+    gemm_gluon = pytest.importorskip("backends.triton.gemm_gluon")
+    import backends.triton.gemm as mod
+
+    rng = _seed("plumbing", layout)
+    b = small_int_operand(rng, 40, 96, elem="e5m2")
+    b = spec.swizzle_scales(b) if layout == "swizzled" else b
+    bt = to_torch(b, "cpu")
+    calls = []
+    monkeypatch.setattr(gemm_gluon, "launch", lambda *args: calls.append(args))
+    a16, out, flag, cfg = torch.zeros(8, 96, dtype=torch.bfloat16), torch.empty(8, 40), torch.zeros(1), {"x": 1}
+    mod.gluon_gemm_kernel(a16, bt, out, flag, cfg)
+    (got,) = calls
+    assert got[0] is a16 and got[8] is out and got[9] is flag and got[10] is cfg
+    assert got[1].dtype == torch.uint8 and torch.equal(got[1], bt.data.view(torch.uint8))
+    assert got[2] is bt.scale and got[6] is True and got[7] == mod.BF16_SAFE_SCALE_BYTES["e5m2"]
+    if layout == "swizzled":
+        assert got[3:6] == ((0, 0), 1, True)  # 3 K blocks -> one group of 4 columns
+    else:
+        assert got[3:6] == ((bt.scale.stride(0), bt.scale.stride(1)), 0, False)
 
 
 def test_gluon_launch_rejects_bad_configs():
