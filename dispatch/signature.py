@@ -1,6 +1,9 @@
 """A hashable call signature: what a capability check may depend on (dtype, shape, strides, device,
 MXFP8 state, scalar keyword values), and nothing that needs the data itself.
 
+Scalars enter with their type: True == 1 == 1.0 in Python (equal hashes too), so without the type a
+call with eps=True would find the entry cached by eps=1.0 and skip the validation that rejects it.
+
 This runs on every dispatched call, so the common case (torch tensors, scalars) is a short path.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ def _value_sig(v: Any):
     if isinstance(v, _Tensor):
         return (v.dtype, v.shape, v.stride(), v.device)
     if type(v) in _SCALARS:
-        return v
+        return (type(v), v)
     if isinstance(v, MXTensor):
         return ("mx", v.axis, v.elem, v.scale_layout, _value_sig(v.data), _value_sig(v.scale))
     if hasattr(v, "shape") and hasattr(v, "dtype"):  # NumPy
@@ -32,7 +35,7 @@ def _value_sig(v: Any):
         return (type(v), tuple(_value_sig(x) for x in v))
     try:
         hash(v)
-        return v
+        return (type(v), v)
     except TypeError:
         return ("unhashable", type(v).__name__, id(v))
 
@@ -49,7 +52,7 @@ def call_signature(args: tuple, kwargs: dict):
             sig.append(_value_sig(v))
     for k, v in kwargs.items():
         if type(v) in _SCALARS:
-            sig.append((k, v))
+            sig.append((k, type(v), v))
         elif isinstance(v, _Tensor):
             sig.append((k, v.dtype, v.shape, v.stride(), v.device))
         else:

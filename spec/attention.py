@@ -37,7 +37,7 @@ from typing import Any, Optional, Tuple
 import ml_dtypes
 import numpy as np
 
-from .checks import dtype_name, require_choice, require_dtype, value_checks_enabled
+from .checks import dtype_name, require_bool, require_choice, require_dtype, require_real, value_checks_enabled
 from .constants import (
     ELEM_FORMATS,
     FLOAT_DTYPES,
@@ -113,11 +113,9 @@ def _check_cu_seqlens(name: str, cu: Any, total: int) -> list:
 
 def _check_common(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv) -> None:
     require_choice("layout", layout, LAYOUTS)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    require_bool("causal", causal)
     if softmax_scale is not None:
-        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.floating)):
-            raise TypeError(f"softmax_scale: expected a float or None, got {type(softmax_scale).__name__}")
+        require_real("softmax_scale", softmax_scale)
         if not (math.isfinite(float(softmax_scale)) and float(softmax_scale) > 0):
             raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
     _check_operand("q", q, layout, MLA_QK_HEAD_DIM, "D")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
 from typing import Any, Iterable, Sequence
 
 from .constants import BLOCK_SIZE
@@ -58,6 +59,18 @@ def require_dim(name: str, x: Any, dim: int, expected: int, what: str = "") -> N
 def require_multiple(name: str, length: int, multiple: int, what: str) -> None:
     if length % multiple:
         raise ValueError(f"{name}: {what} has length {length}, expected a multiple of {multiple}")
+
+
+def require_bool(name: str, value: Any) -> None:
+    """A bool (Python or NumPy); 0 / 1 and other truthy objects are refused, not coerced."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def require_real(name: str, value: Any) -> None:
+    """An int or float (Python or NumPy), never a bool (True would silently read as 1.0) or a string."""
+    if type(value).__name__ in ("bool", "bool_") or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
 
 
 def normalize_axis(name: str, axis: Any, ndim: int) -> int:

@@ -115,8 +115,7 @@ def validate_mla_q_uproj_rope_quant(x, w, cos, sin):
 
 def validate_mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False):
     """Raise TypeError/ValueError naming the first bad argument of `mla_q_uproj_rope_quant_backward`."""
-    if not isinstance(quantize_grad, (bool, np.bool_)):
-        raise TypeError(f"quantize_grad: expected a bool, got {type(quantize_grad).__name__}")
+    checks.require_bool("quantize_grad", quantize_grad)
     if quantize_grad:
         _check_operands(x, w, mx_axes=(0, 0), mx_labels=("T", "N"))
     else:

@@ -42,8 +42,6 @@ all-zero row gives v = 0, rstd = +Inf and y = 0 * Inf = NaN. eps must be a finit
 """
 from __future__ import annotations
 
-from numbers import Real
-
 import numpy as np
 
 from . import checks
@@ -63,12 +61,10 @@ def validate_rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="
     checks.require_dtype("gamma", gamma, FLOAT_DTYPES)
     checks.require_ndim("gamma", gamma, (1,))
     checks.require_dim("gamma", gamma, 0, x.shape[1], "D of x")
-    if isinstance(eps, bool) or not isinstance(eps, Real):
-        raise TypeError(f"eps: expected a real number, got {type(eps).__name__}")
+    checks.require_real("eps", eps)
     if not (np.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
-    if not isinstance(zero_centered_gamma, (bool, np.bool_)):
-        raise TypeError(f"zero_centered_gamma: expected a bool, got {type(zero_centered_gamma).__name__}")
+    checks.require_bool("zero_centered_gamma", zero_centered_gamma)
     checks.require_choice("elem", elem, tuple(ELEM_FORMATS))
 
 
