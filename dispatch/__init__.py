@@ -104,7 +104,10 @@ def _evaluate(op: str, candidates, args, kwargs) -> Tuple[Optional[Any], Dict[st
 def _select(op: str, backend: Optional[str], args, kwargs, key=None):
     if key is None:
         key = (op, backend, _env_raw() if backend is None else None, call_signature(args, kwargs))
-        impl = _cache.get(key)
+        try:
+            impl = _cache.get(key)
+        except TypeError:  # an unhashable backend= (a list): _request below raises naming it
+            impl = None
         if impl is not None:
             return impl
     _check_op(op)
@@ -129,7 +132,10 @@ def run(op: str, *args, backend: Optional[str] = None, **kwargs):
     """Run `op` on the chosen backend. See the module docstring for how the choice is made."""
     # The cache lookup is inlined: this path is every call's overhead.
     key = (op, backend, _ENV_DATA.get(_ENV_KEY) if backend is None else None, call_signature(args, kwargs))
-    impl = _cache.get(key)
+    try:
+        impl = _cache.get(key)
+    except TypeError:  # an unhashable backend= (a list): _select raises the TypeError naming it
+        impl = None
     if impl is None:
         impl = _select(op, backend, args, kwargs, key)
     return impl.fn(*args, **kwargs)

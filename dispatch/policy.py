@@ -23,6 +23,9 @@ AUTO = None
 
 
 def parse_backend_list(text: str, where: str) -> Optional[Tuple[str, ...]]:
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: expected a string such as 'triton' or 'triton,torch' (or None for the "
+                        f"automatic choice), got {type(text).__name__} {text!r}")
     text = text.strip()
     if text in ("", "auto"):
         return AUTO

@@ -190,3 +190,11 @@ def test_concurrent_callers_get_identical_results(fake_registry, monkeypatch):
         t.join()
     assert not errors
     assert len(results) == 1600 and set(results) == {"torch"}
+
+
+@pytest.mark.parametrize("bad", [1, ["torch"], ("torch",), b"torch"])
+@pytest.mark.parametrize("entry", ["run", "select", "explain"])
+def test_backend_argument_of_the_wrong_type_names_backend(bad, entry):
+    x = torch.randn(32, 64)
+    with pytest.raises(TypeError, match="^backend: expected a string"):
+        getattr(dispatch, entry)("mxfp8_quantize", x, backend=bad)
