@@ -1,0 +1,179 @@
+"""The MXFP8 copies of a projection weight, quantized once per weight update and reused.
+
+    from dispatch.weights import quantized_weight
+    w_row, w_col = quantized_weight(w_uq)          # w_uq [N, K] Parameter (fp32 or bf16 master)
+    q_row, q_col = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos, sin, quantize_grad=True, x_t=y_col, w_n=w_col)
+
+`quantized_weight(w)` returns what `dispatch.autograd.mxfp8_quantize(w.to(torch.bfloat16), axis=(1, 0))`
+returns -- the same codes and scales (e4m3, rceil, saturate, compact), TrackedMXTensors sharing one
+bf16 gradient proxy whose gradient reaches w cast to w's dtype (straight through) -- but the
+quantization runs only when the weight has changed since the last call. With gradient accumulation
+(several forwards per optimizer step) or activation recomputation the weight is quantized once per
+step instead of once per forward.
+
+Layout: w_row [N, K] blocked along K (axis 1), codes and scales contiguous. w_col [N, K] blocked along
+N (axis 0) is stored physically transposed: its codes are a contiguous [K, N] tensor and its scales a
+contiguous [K, N/32] tensor, and w_col holds their `.t()` views. The MXFP8 backward's dx GEMM reads w
+blocked along N with N as its contraction axis, i.e. the [K, N] view, which is then K-major without a
+copy. The values are those of the untransposed copy, byte for byte.
+
+When a cached copy is stale (any of these differs from when it was made):
+- `w._version` (autograd's version counter: every in-place op on w or a view of it, including
+  torch.optim's for-each and single-tensor optimizers and `load_state_dict`);
+- `w.data_ptr()`, dtype, shape, strides, device (`.to()`, `.data = ...`, resharding);
+- the backend requested;
+- the optimizer generation: a global `torch.optim` step post-hook, registered when this module is
+  imported, marks every cached copy stale after any optimizer step. Fused optimizers
+  (`AdamW(fused=True)`) write parameters without bumping `_version`, so the version alone misses them.
+Writes through `w.data` bypass the version counter (`w.data` is a new tensor with its own counter;
+`w.detach()` shares w's), so `w.data.copy_(...)` outside a torch.optim step -- e.g. an optimizer that
+is not a `torch.optim.Optimizer` copying main params into model params that way -- cannot be seen
+without reading the whole weight; call `invalidate(w)` (or `invalidate()` for all) after such writes.
+
+Fresh tensors are allocated on every re-quantization (never written in place), so a copy saved by an
+autograd graph still in flight stays valid after the weight changes.
+
+torch.compile: inside a compiled region the cache (Python state keyed by `_version`) is not traced;
+the weight is quantized in the graph on every call through `mxag.mxfp8_quantize` (same values; w_col
+then has the untransposed layout). Under `torch.no_grad()` the cache works as in training and the
+returned tensors carry a proxy that records no graph.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakTensorKeyDictionary
+
+import dispatch as _dispatch
+from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize
+from spec.mxtensor import MXTensor
+
+__all__ = ["MXFP8Weight", "quantized_weight", "invalidate", "cached_copy", "optimizer_generation"]
+
+_QUANT = dict(axis=(1, 0), elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+
+_lock = threading.Lock()
+_cache: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+_generation = [0]  # bumped by every torch.optim step
+
+
+def optimizer_generation() -> int:
+    """How many torch.optim steps have run since import (the staleness clock of the post-hook)."""
+    return _generation[0]
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    _generation[0] += 1
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _key(w: Tensor, backend: Optional[str]) -> tuple:
+    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), w.device, backend,
+            _generation[0])
+
+
+class MXFP8Weight:
+    """The cached MXFP8 copies of one weight [N, K]: `row` (MXTensor blocked along K) and `col`
+    (blocked along N, physically transposed), plain (untracked) MXTensors, and the `key` they were made
+    under. `quantized_weight` returns tracked views of these; this object is what `cached_copy` shows."""
+
+    __slots__ = ("key", "row", "col", "__weakref__")
+
+    def __init__(self, key: tuple, row: MXTensor, col: MXTensor):
+        self.key, self.row, self.col = key, row, col
+
+    @classmethod
+    def quantize(cls, w: Tensor, backend: Optional[str] = None) -> "MXFP8Weight":
+        """Quantize w (cast to bf16 first) rowwise and columnwise with one `dispatch.run` call."""
+        key = _key(w, backend)
+        with torch.no_grad():
+            row, col = _dispatch.run("mxfp8_quantize", w.detach().to(torch.bfloat16), backend=backend, **_QUANT)
+            codes_t = col.data.t().contiguous()    # [K, N]
+            scales_t = col.scale.t().contiguous()  # [K, N/32]
+        row = MXTensor(row.data.contiguous(), row.scale.contiguous(), 1, "e4m3", "compact")
+        col = MXTensor(codes_t.t(), scales_t.t(), 0, "e4m3", "compact")
+        return cls(key, row, col)
+
+    def tracked(self, proxy: Tensor) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
+        return (TrackedMXTensor(self.row.data, self.row.scale, 1, "e4m3", "compact", proxy),
+                TrackedMXTensor(self.col.data, self.col.scale, 0, "e4m3", "compact", proxy))
+
+
+# The gradient proxy of a cached copy: a bf16 zero-stride tensor of w's shape (as mxfp8_quantize's
+# proxy of w.to(bf16) is) whose gradient goes to w cast to w's dtype -- the cast-then-quantize
+# straight-through of the uncached path, without making the bf16 copy of w every forward.
+@torch.library.custom_op(f"{NAMESPACE}::weight_grad_proxy", mutates_args=())
+def _weight_proxy_op(w: Tensor) -> Tensor:
+    return grad_proxy(w.shape, torch.bfloat16, w.device)
+
+
+@_weight_proxy_op.register_fake
+def _(w):
+    return grad_proxy(w.shape, torch.bfloat16, w.device)
+
+
+def _proxy_setup(ctx, inputs, output):
+    ctx.w_dtype = inputs[0].dtype
+
+
+def _proxy_backward(ctx, grad):
+    return None if grad is None else grad.to(ctx.w_dtype)
+
+
+_weight_proxy_op.register_autograd(_proxy_backward, setup_context=_proxy_setup)
+
+
+def _check_weight(w) -> None:
+    if not isinstance(w, Tensor):
+        raise TypeError(f"w: expected a torch.Tensor weight [N, K], got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"w: expected a float32, bfloat16 or float16 weight, got {w.dtype}")
+    if w.shape[0] % 32 or w.shape[1] % 32:
+        raise ValueError(f"w: both dims must be multiples of 32 (MXFP8 blocks along N and K), got {tuple(w.shape)}")
+
+
+def quantized_weight(w: Tensor, *, backend: Optional[str] = None,
+                     cache: bool = True) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
+    """(w_row, w_col) of weight w [N, K]: MXFP8 e4m3 rceil of w.to(bfloat16), blocked along K (axis 1)
+    and along N (axis 0, physically transposed storage), sharing one bf16 gradient proxy connected to
+    w. Quantized only when w changed since the last call (module docstring); `cache=False` quantizes
+    now and leaves the cache alone. `backend` as for every mxmla op."""
+    _check_weight(w)
+    if torch.compiler.is_compiling():
+        return mxfp8_quantize(w.to(torch.bfloat16), backend=backend, **_QUANT)
+    if cache:
+        key = _key(w, backend)
+        with _lock:
+            entry = _cache.get(w)
+        if entry is None or entry.key != key:
+            entry = MXFP8Weight.quantize(w, backend)
+            with _lock:
+                _cache[w] = entry
+    else:
+        entry = MXFP8Weight.quantize(w, backend)
+    return entry.tracked(_weight_proxy_op(w))
+
+
+def invalidate(w: Optional[Tensor] = None) -> None:
+    """Drop the cached copies of w (all weights' when w is None): for writes that bypass the version
+    counter outside a torch.optim step, e.g. `w.data.copy_(...)`."""
+    with _lock:
+        if w is None:
+            _cache.clear()
+        else:
+            _cache.pop(w, None)
+
+
+def cached_copy(w: Tensor, backend: Optional[str] = None) -> Optional[MXFP8Weight]:
+    """The cache entry `quantized_weight(w, backend=backend)` would reuse now (None: it would quantize)."""
+    with _lock:
+        entry = _cache.get(w)
+    return entry if entry is not None and entry.key == _key(w, backend) else None
