@@ -27,6 +27,9 @@ from spec.constants import OPS
 from .errors import BackendUnavailable, DispatchConfigError
 from .policy import KNOWN_BACKENDS, parse_backend_list, parse_policy, requested_backends
 from .signature import call_signature
+from .version import package_version
+
+__version__ = package_version()
 
 log = logging.getLogger("mxmla.dispatch")
 
