@@ -104,6 +104,22 @@ def _evaluate(op: str, candidates, args, kwargs) -> Tuple[Optional[Any], Dict[st
     return None, reasons
 
 
+def validate(op: str, *args, backend: Optional[str] = None, **kwargs) -> None:
+    """Raise what `run` would raise for these arguments before any backend runs: an unknown op, a bad
+    `backend=`, or spec's validator error (TypeError / ValueError naming the argument). Index values
+    are checked as module docstring says. Layers above dispatch (the autograd wrappers) call this on
+    the caller's arguments before converting them."""
+    _check_op(op)
+    if backend is not None:
+        parse_backend_list(backend, "backend")
+    _validate_args(op, args, kwargs)
+
+
+def _validate_args(op: str, args, kwargs) -> None:
+    with shape_checks_only():
+        _spec.VALIDATORS[op](*args, **kwargs)
+
+
 def _select(op: str, backend: Optional[str], args, kwargs, key=None):
     if key is None:
         key = (op, backend, _env_raw() if backend is None else None, call_signature(args, kwargs))
@@ -115,8 +131,7 @@ def _select(op: str, backend: Optional[str], args, kwargs, key=None):
             return impl
     _check_op(op)
     _backends.load()
-    with shape_checks_only():
-        _spec.VALIDATORS[op](*args, **kwargs)
+    _validate_args(op, args, kwargs)
     _same_device(op, args, kwargs)
     requested, source = _request(op, backend)
     candidates = requested if requested is not None else PRIORITY[_device_kind(args, kwargs)]
@@ -153,8 +168,7 @@ def explain(op: str, *args, backend: Optional[str] = None, print_table: bool = T
     """Every backend's verdict on this call: chosen, accepted, or rejected with its reasons."""
     _check_op(op)
     _backends.load()
-    with shape_checks_only():
-        _spec.VALIDATORS[op](*args, **kwargs)
+    _validate_args(op, args, kwargs)
     requested, source = _request(op, backend)
     device = _device_kind(args, kwargs)
     order = requested if requested is not None else PRIORITY[device]
@@ -225,6 +239,6 @@ def clear_cache() -> None:
 
 
 __all__ = [
-    "run", "select", "explain", "backends", "clear_cache", "BackendUnavailable", "DispatchConfigError",
+    "run", "validate", "select", "explain", "backends", "clear_cache", "BackendUnavailable", "DispatchConfigError",
     "ENV_VAR", "PRIORITY",
 ]

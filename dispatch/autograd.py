@@ -73,6 +73,7 @@ import torch
 from torch import Tensor
 
 import dispatch as _dispatch
+from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mxtensor import MXTensor
 
@@ -183,6 +184,15 @@ def _grad_for(value: Optional[Tensor], grad: Optional[Tensor]) -> Optional[Tenso
     return grad.to(value.dtype)
 
 
+def _validate(op: str, *args, **kwargs) -> None:
+    """The caller's arguments through `dispatch.validate` (spec's validators, as `dispatch.run` runs
+    them) before any conversion for the custom op: bool(), float() and int() would otherwise turn
+    causal="False" into True, eps="1e-6" into 1e-6 and axis=1.7 into 1. While torch.compile traces,
+    the custom op's own `dispatch.run` validates when the graph runs."""
+    if not torch.compiler.is_compiling():
+        _dispatch.validate(op, *args, **kwargs)
+
+
 def _contiguous(t: Any) -> Any:
     return t.contiguous() if isinstance(t, Tensor) else t
 
@@ -231,6 +241,8 @@ def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = 
                    nonfinite: str = "saturate", scale_layout: str = "compact", backend: Optional[str] = None):
     """`dispatch.run("mxfp8_quantize", ...)` returning TrackedMXTensor(s); the gradient passes straight
     through to x (identity). A tuple axis gives a tuple sharing one proxy."""
+    _validate("mxfp8_quantize", x, axis=axis, elem=elem, scale_mode=scale_mode, nonfinite=nonfinite,
+              scale_layout=scale_layout, backend=backend)
     as_tuple = isinstance(axis, (tuple, list))
     axes = [int(a) for a in axis] if as_tuple else [int(axis)]
     out = _quantize_op(x, axes, elem, scale_mode, nonfinite, scale_layout, backend)
@@ -267,6 +279,7 @@ _dequantize_op.register_autograd(_dequantize_backward, setup_context=_dequantize
 
 def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32", backend: Optional[str] = None) -> Tensor:
     """Dequantized values of t; the gradient goes straight through to t's proxy (if tracked)."""
+    _validate("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend)
     value, codes, scales, fmt = _slots(t)
     return _dequantize_op(value, codes, scales, fmt, out_dtype, backend)
 
@@ -331,6 +344,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, style: str = "mla", layout: str = 
          start_positions: Optional[Tensor] = None, cp_size: int = 1, cp_rank: int = 0,
          out_dtype: Optional[str] = None, backend: Optional[str] = None) -> Tensor:
     """`dispatch.run("rope", ...)` with dx = rope_backward(dL/dout) (tables are constants)."""
+    _validate("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens, positions=positions,
+              start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out_dtype=out_dtype,
+              backend=backend)
     return _rope_op(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, int(cp_size),
                     int(cp_rank), out_dtype, backend)
 
@@ -438,6 +454,8 @@ def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool =
     q_col) TrackedMXTensors that share one bf16 proxy [T, H, 192]. Backward (module docstring):
     `mla_q_uproj_rope_quant_backward` with `quantize_grad`; for the MXFP8 backward with MXFP8 x or w,
     `x_t` (x blocked along T, axis 0) / `w_n` (w blocked along N, axis 0) are required."""
+    _validate("mla_q_uproj_rope_quant", x, w, cos, sin, backend=backend)
+    require_bool("quantize_grad", quantize_grad)
     if quantize_grad:
         needed = (("x", x, x_t, "x_t (x blocked along T, axis 0; e.g. rmsnorm_mxfp8's y_col)"),
                   ("w", w, w_n, "w_n (w blocked along N, axis 0; e.g. mxfp8_quantize(w, axis=(1, 0))[1])"))
@@ -516,6 +534,8 @@ def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gam
     """`dispatch.run("rmsnorm_mxfp8", ...)` returning (y_row, y_col, rstd): y_row / y_col share one fp32
     proxy, whose gradient (dL/dy of the fp32 y, straight through the quantizer) gives dx and dgamma
     through `rmsnorm_backward`. rstd has no gradient."""
+    _validate("rmsnorm_mxfp8", x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma, elem=elem,
+              backend=backend)
     proxy, row_codes, row_scales, col_codes, col_scales, rstd = _rmsnorm_op(
         x, gamma, float(eps), bool(zero_centered_gamma), elem, backend)
     return (_tracked(row_codes, row_scales, 1, elem, "compact", proxy),
@@ -621,6 +641,8 @@ def mla_attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] 
                   backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """`dispatch.run("mla_attention", ...)`: (o, lse). q, k, v are tensors or MXTensors (tracked ones
     receive gradients through their proxies). o is differentiable, lse is not."""
+    _validate("mla_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+              cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=backend)
     return _attention_op(*_slots(q), *_slots(k), *_slots(v), bool(causal),
                          None if softmax_scale is None else float(softmax_scale), layout, cu_seqlens_q,
                          cu_seqlens_kv, backend)
