@@ -1,0 +1,18 @@
+"""mxmla under torch.distributed: context parallelism (a ring over a process group) and tensor
+parallelism over heads (DTensor sharding rules for the mxmla custom ops). docs/PARALLEL.md.
+
+    from dispatch.parallel import context_parallel_attention, shard_sequence, shard_positions
+    q_l, k_l, v_l = (shard_sequence(t, dim=1) for t in (q, k, v))     # chunks r and 2W-1-r
+    o_l, lse_l = context_parallel_attention(q_l, k_l, v_l, causal=True)
+"""
+from .ring import block_plan, context_parallel_attention
+from .sequence import chunk_indices, shard_positions, shard_sequence, unshard_sequence
+
+__all__ = [
+    "context_parallel_attention",
+    "block_plan",
+    "shard_sequence",
+    "unshard_sequence",
+    "shard_positions",
+    "chunk_indices",
+]
