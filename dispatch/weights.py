@@ -73,8 +73,9 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_after_optimizer_step)
 
 
-def _key(w: Tensor, backend: Optional[str]) -> tuple:
-    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), w.device, backend,
+def _key(w: Tensor, backend: Optional[str], rows: Optional[Tensor] = None) -> tuple:
+    row_key = None if rows is None else (rows.data_ptr(), rows._version, rows.device)
+    return (w._version, w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), w.device, backend, row_key,
             _generation[0])
 
 
@@ -89,11 +90,15 @@ class MXFP8Weight:
         self.key, self.row, self.col = key, row, col
 
     @classmethod
-    def quantize(cls, w: Tensor, backend: Optional[str] = None) -> "MXFP8Weight":
-        """Quantize w (cast to bf16 first) rowwise and columnwise with one `dispatch.run` call."""
-        key = _key(w, backend)
+    def quantize(cls, w: Tensor, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> "MXFP8Weight":
+        """Quantize w (w[rows] when rows are given; cast to bf16 first) rowwise and columnwise with one
+        `dispatch.run` call."""
+        if rows is not None:
+            _check_rows(rows, w.shape[0])  # here, not per call: it reads the rows (a device sync)
+        key = _key(w, backend, rows)
         with torch.no_grad():
-            row, col = _dispatch.run("mxfp8_quantize", w.detach().to(torch.bfloat16), backend=backend, **_QUANT)
+            src = w.detach() if rows is None else w.detach().index_select(0, rows)
+            row, col = _dispatch.run("mxfp8_quantize", src.to(torch.bfloat16), backend=backend, **_QUANT)
             codes_t = col.data.t().contiguous()    # [K, N]
             scales_t = col.scale.t().contiguous()  # [K, N/32]
         row = MXTensor(row.data.contiguous(), row.scale.contiguous(), 1, "e4m3", "compact")
@@ -108,22 +113,30 @@ class MXFP8Weight:
 # The gradient proxy of a cached copy: a bf16 zero-stride tensor of w's shape (as mxfp8_quantize's
 # proxy of w.to(bf16) is) whose gradient goes to w cast to w's dtype -- the cast-then-quantize
 # straight-through of the uncached path, without making the bf16 copy of w every forward.
+# With rows, the proxy stands for w[rows] and the gradient is scattered back to w's rows.
 @torch.library.custom_op(f"{NAMESPACE}::weight_grad_proxy", mutates_args=())
-def _weight_proxy_op(w: Tensor) -> Tensor:
+def _weight_proxy_op(w: Tensor, rows: Optional[Tensor]) -> Tensor:
     return grad_proxy(w.shape, torch.bfloat16, w.device)
 
 
 @_weight_proxy_op.register_fake
-def _(w):
+def _(w, rows):
     return grad_proxy(w.shape, torch.bfloat16, w.device)
 
 
 def _proxy_setup(ctx, inputs, output):
-    ctx.w_dtype = inputs[0].dtype
+    w, rows = inputs
+    ctx.w_dtype = w.dtype
+    ctx.save_for_backward(rows)
 
 
 def _proxy_backward(ctx, grad):
-    return None if grad is None else grad.to(ctx.w_dtype)
+    if grad is None:
+        return None, None
+    (rows,) = ctx.saved_tensors
+    if rows is not None:
+        grad = torch.empty_like(grad).index_copy_(0, rows, grad)
+    return grad.to(ctx.w_dtype), None
 
 
 _weight_proxy_op.register_autograd(_proxy_backward, setup_context=_proxy_setup)
@@ -140,26 +153,39 @@ def _check_weight(w) -> None:
         raise ValueError(f"w: both dims must be multiples of 32 (MXFP8 blocks along N and K), got {tuple(w.shape)}")
 
 
-def quantized_weight(w: Tensor, *, backend: Optional[str] = None,
-                     cache: bool = True) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
+def _check_rows(rows, n: int) -> None:
+    if not isinstance(rows, Tensor) or rows.dtype not in (torch.int32, torch.int64) or tuple(rows.shape) != (n,):
+        what = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, Tensor) else type(rows).__name__
+        raise ValueError(f"rows: expected an int64 or int32 permutation of range({n}) of shape ({n},), got {what}")
+    if not torch.equal(torch.sort(rows.to(torch.int64)).values, torch.arange(n, device=rows.device)):
+        raise ValueError(f"rows: expected a permutation of range({n}) (each row of w exactly once)")
+
+
+def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = True,
+                     rows: Optional[Tensor] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
     """(w_row, w_col) of weight w [N, K]: MXFP8 e4m3 rceil of w.to(bfloat16), blocked along K (axis 1)
     and along N (axis 0, physically transposed storage), sharing one bf16 gradient proxy connected to
     w. Quantized only when w changed since the last call (module docstring); `cache=False` quantizes
-    now and leaves the cache alone. `backend` as for every mxmla op."""
+    now and leaves the cache alone. `backend` as for every mxmla op.
+
+    rows: an optional permutation of range(N) on w's device (int64 / int32): the copies are then those
+    of w[rows] (e.g. dispatch.nn's neox-to-mla reordering of the RoPE features) and the gradient goes
+    back to w's own rows. The cache keys on the rows tensor's identity, so keep one tensor per order."""
     _check_weight(w)
     if torch.compiler.is_compiling():
-        return mxfp8_quantize(w.to(torch.bfloat16), backend=backend, **_QUANT)
+        src = w if rows is None else w.index_select(0, rows)
+        return mxfp8_quantize(src.to(torch.bfloat16), backend=backend, **_QUANT)
     if cache:
-        key = _key(w, backend)
+        key = _key(w, backend, rows)
         with _lock:
             entry = _cache.get(w)
         if entry is None or entry.key != key:
-            entry = MXFP8Weight.quantize(w, backend)
+            entry = MXFP8Weight.quantize(w, backend, rows)
             with _lock:
                 _cache[w] = entry
     else:
-        entry = MXFP8Weight.quantize(w, backend)
-    return entry.tracked(_weight_proxy_op(w))
+        entry = MXFP8Weight.quantize(w, backend, rows)
+    return entry.tracked(_weight_proxy_op(w, rows))
 
 
 def invalidate(w: Optional[Tensor] = None) -> None:
@@ -172,8 +198,9 @@ def invalidate(w: Optional[Tensor] = None) -> None:
             _cache.pop(w, None)
 
 
-def cached_copy(w: Tensor, backend: Optional[str] = None) -> Optional[MXFP8Weight]:
-    """The cache entry `quantized_weight(w, backend=backend)` would reuse now (None: it would quantize)."""
+def cached_copy(w: Tensor, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> Optional[MXFP8Weight]:
+    """The cache entry `quantized_weight(w, backend=backend, rows=rows)` would reuse now (None: it would
+    quantize)."""
     with _lock:
         entry = _cache.get(w)
-    return entry if entry is not None and entry.key == _key(w, backend) else None
+    return entry if entry is not None and entry.key == _key(w, backend, rows) else None

@@ -266,7 +266,8 @@ def test_cache_holds_weights_weakly():
 
 def test_weight_proxy_op_passes_opcheck():
     w = _weight(torch.Generator().manual_seed(13))
-    torch.library.opcheck(mxw._weight_proxy_op, (w,))
+    torch.library.opcheck(mxw._weight_proxy_op, (w, None))
+    torch.library.opcheck(mxw._weight_proxy_op, (w, torch.randperm(N, generator=torch.Generator().manual_seed(1))))
 
 
 @pytest.mark.parametrize("bad, exc, match", [
@@ -296,3 +297,26 @@ def test_triton_interpreter_reads_the_transposed_col():
         (mxag.mxfp8_dequantize(q_row) * r).sum().backward()
         grads.append(w.grad.clone())
     assert_bytes_equal(grads[1], grads[0], "w.grad, triton vs torch")
+
+
+def test_rows_quantize_the_reordered_weight_and_scatter_the_gradient_back(quantize_calls):
+    gen = torch.Generator().manual_seed(16)
+    w = _weight(gen)
+    rows = torch.randperm(N, generator=gen)
+    row, col = mxw.quantized_weight(w, rows=rows)
+    want_row, want_col = _uncached(w.detach()[rows])
+    assert_bytes_equal(row.data, want_row.data, "w[rows] row codes")
+    assert_bytes_equal(col.scale, want_col.scale, "w[rows] col scales")
+    mxw.quantized_weight(w, rows=rows)
+    assert len(quantize_calls) == 2  # the reference call above plus one cached quantization
+    g = torch.randn(N, K, generator=gen).bfloat16()
+    (grad,) = torch.autograd.grad(row.grad_proxy, w, g)
+    want = torch.empty_like(g)
+    want[rows] = g
+    assert_bytes_equal(grad, want.float(), "gradient scattered to w's rows")
+    mxw.quantized_weight(w)  # another order: quantized again
+    assert len(quantize_calls) == 3
+    with pytest.raises(ValueError, match="rows: expected a permutation"):
+        mxw.quantized_weight(w, rows=torch.zeros(N, dtype=torch.int64))
+    with pytest.raises(ValueError, match="rows: expected an int64"):
+        mxw.quantized_weight(w, rows=torch.arange(N).float())
