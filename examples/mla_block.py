@@ -289,16 +289,19 @@ def train(cfg: Config, path: str, steps: int, device="cpu", seed: int = 0, quant
 # Plotting
 # --------------------------------------------------------------------------------------------------
 
+PLOT_SKIPPED = "not drawn: matplotlib is not installed (pip install matplotlib, or the package's [plot] extra)"
+
+
 def plot_losses(curves: Dict[str, List[float]], png_path: str, title: str) -> str:
-    """Loss curves into a PNG: matplotlib when importable, else a plain rasterizer (no text; the
-    colours are returned as the legend). Returns a description of what was drawn."""
+    """Loss curves into a PNG through matplotlib. Returns "matplotlib" when drawn; without matplotlib
+    nothing is written and the returned text says why."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return _plot_without_matplotlib(curves, png_path)
+        return PLOT_SKIPPED
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for name, values in curves.items():
         ax.plot(range(1, len(values) + 1), values, label=name, linewidth=1.2)
@@ -312,56 +315,6 @@ def plot_losses(curves: Dict[str, List[float]], png_path: str, title: str) -> st
     fig.savefig(png_path)
     plt.close(fig)
     return "matplotlib"
-
-
-_COLOURS = [(214, 39, 40), (31, 119, 180), (44, 160, 44), (148, 103, 189)]
-
-
-def _plot_without_matplotlib(curves: Dict[str, List[float]], png_path: str) -> str:
-    import struct
-    import zlib
-
-    width, height, margin = 800, 500, 40
-    pixels = bytearray([255] * (width * height * 3))
-
-    def put(x: int, y: int, colour) -> None:
-        if 0 <= x < width and 0 <= y < height:
-            i = (y * width + x) * 3
-            pixels[i:i + 3] = bytes(colour)
-
-    for x in range(margin, width - margin):  # axes box
-        put(x, margin, (0, 0, 0)), put(x, height - margin, (0, 0, 0))
-    for y in range(margin, height - margin + 1):
-        put(margin, y, (0, 0, 0)), put(width - margin, y, (0, 0, 0))
-    finite = [v for values in curves.values() for v in values if math.isfinite(v) and v > 0]
-    lo, hi = (math.log10(min(finite)), math.log10(max(finite))) if finite else (0.0, 1.0)
-    hi = hi if hi > lo else lo + 1.0
-    n = max((len(v) for v in curves.values()), default=1)
-
-    def to_px(i: int, v: float):
-        x = margin + (width - 2 * margin) * (i / max(1, n - 1))
-        y = height - margin - (height - 2 * margin) * ((math.log10(v) - lo) / (hi - lo))
-        return x, y
-
-    legend = []
-    for k, (name, values) in enumerate(curves.items()):
-        colour = _COLOURS[k % len(_COLOURS)]
-        legend.append(f"{name}=rgb{colour}")
-        points = [to_px(i, v) for i, v in enumerate(values) if math.isfinite(v) and v > 0]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            steps = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-            for t in range(steps + 1):
-                put(round(x0 + (x1 - x0) * t / steps), round(y0 + (y1 - y0) * t / steps), colour)
-    raw = b"".join(b"\x00" + bytes(pixels[y * width * 3:(y + 1) * width * 3]) for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    with open(png_path, "wb") as f:
-        f.write(png)
-    return "no matplotlib: plain raster, log-scale y, " + ", ".join(legend)
 
 
 # --------------------------------------------------------------------------------------------------
