@@ -131,6 +131,28 @@ def encode_e4m3_arith(y, HW_CVT: tl.constexpr):
         return encode_e4m3_bits(y)
 
 
+@triton.jit
+def decode_e4m3(codes, HW_CVT: tl.constexpr):
+    """fp32 value of uint8 e4m3 codes, exact (NaN code -> NaN). HW_CVT: the GPU's cvt (exact for every
+    code); otherwise on the bits, since the interpreter's fp8 cast is wrong: sign | mag << 20 is the
+    value times 2^-120 for normal and subnormal codes alike, and the multiply by 2^120 is exact."""
+    if HW_CVT:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    c = codes.to(tl.int32)
+    mag = c & 0x7F
+    v = ((mag << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120
+    return tl.where(mag == E4M3_NAN_CODE, float("nan"), v)
+
+
+@triton.jit
+def bf16_unsafe(codes, e, LO: tl.constexpr, HI: tl.constexpr):
+    """int32 1 where dequantizing a code exactly to bf16 is not guaranteed: a nonzero code under a scale
+    byte outside [LO, HI] (a zero code is +-0 under any finite scale: the all-zero blocks that rceil
+    gives byte 0, e.g. the gradient rows of a fully masked query, stay on the fast path). Non-finite
+    values are the caller's check."""
+    return (((e < LO) | (e > HI)) & ((codes.to(tl.int32) & 0x7F) != 0)).to(tl.int32)
+
+
 # --------------------------------------------------------------------------------------------------
 # one MX block's partial sum on the tensor cores
 # --------------------------------------------------------------------------------------------------

@@ -478,7 +478,7 @@ def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
 BF16_SAFE_SCALE_BYTES = {"e4m3": (10, 246), "e5m2": (17, 239)}
 
 
-def _bf16_matmul(a16: torch.Tensor, b16: torch.Tensor, out: torch.Tensor) -> None:
+def bf16_matmul_fp32_sum(a16: torch.Tensor, b16: torch.Tensor, out: torch.Tensor) -> None:
     """out = a16 @ b16^T with every product exact and the sum in fp32, rounded once to out's dtype."""
     if out.device.type != "cuda":
         # CPU (interpreter tests): the same arithmetic, bf16 x bf16 products are exact in fp32
@@ -522,7 +522,7 @@ def gluon_reasons(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List
     return reasons
 
 
-def _exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tensor) -> None:
+def exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tensor) -> None:
     """The exact per-block kernel, persistent and gated on *flag: it recomputes every output tile when a
     guard was raised, and returns at once otherwise (no host sync: CUDA-graph safe)."""
     m, k = a.data.shape
@@ -563,7 +563,7 @@ def _launch_gluon(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None) -> t
     gluon_gemm_kernel(a16, b, dst, flag, config)
     if dst is not out:
         out.copy_(dst)
-    _exact_fallback(a, b, out, flag)
+    exact_fallback(a, b, out, flag)
     return out
 
 
@@ -576,8 +576,8 @@ def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
     flag = torch.zeros(1, dtype=torch.int32, device=out.device)
     a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
     b16 = dequantize_bf16_flat(b, guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))
-    _bf16_matmul(a16, b16, out)
-    _exact_fallback(a, b, out, flag)
+    bf16_matmul_fp32_sum(a16, b16, out)
+    exact_fallback(a, b, out, flag)
     return out
 
 

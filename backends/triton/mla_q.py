@@ -79,6 +79,7 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
 """
 from __future__ import annotations
 
+import math
 from typing import List
 
 import torch
@@ -91,13 +92,17 @@ from spec.mxtensor import MXTensor
 from ..registry import register
 from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
-from ._mxfp8 import (amax_bits_ignoring_nan, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
+from ._mxfp8 import (amax_bits_ignoring_nan, bf16_unsafe, decode_e4m3, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
-from .gemm import _grouped_tile, m_bucket, mxfp8_gemm_tensors, scale_offsets
+from .gemm import (BF16_SAFE_SCALE_BYTES, _grouped_tile, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
+                   mxfp8_gemm_tensors, scale_offsets)
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
 
 _HEAD = MLA_QK_HEAD_DIM  # 192
+# the backward pre-pass writes e4m3 only
+SAFE_LO = tl.constexpr(BF16_SAFE_SCALE_BYTES["e4m3"][0])
+SAFE_HI = tl.constexpr(BF16_SAFE_SCALE_BYTES["e4m3"][1])
 _NOPE = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -265,14 +270,19 @@ def _mla_q_fwd_kernel(
     T, K, H, T_BUCKET,
     stride_xt, stride_xk, stride_wn, stride_wk,
     stride_xs_row, stride_xs_col, stride_ws_row, stride_ws_col, xs_col_groups, ws_col_groups,
-    stride_cos, stride_sin,
+    stride_cos, stride_sin, gate_ptr,
     MX: tl.constexpr, XS_SWIZZLED: tl.constexpr, WS_SWIZZLED: tl.constexpr, HW_CVT: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ROPE_SPLIT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr, GATED: tl.constexpr = False,
 ):
+    """GATED: the exact fallback of the dequantized Gluon route (mla_q_forward_launch): every program
+    returns at once unless *gate_ptr is nonzero (no host sync: CUDA-graph safe)."""
     HEAD: tl.constexpr = 192
     NOPE: tl.constexpr = 128
     HALF: tl.constexpr = 32
+    if GATED:
+        if tl.load(gate_ptr) == 0:
+            return
     pid = tl.program_id(0)
     pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
     tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -549,16 +559,20 @@ def _tma_ok(t: torch.Tensor) -> bool:
 
 
 def gluon_reasons(x, w) -> List[str]:
-    """Why the Gluon sm90 kernel (mla_q_gluon.py) cannot run on these operands; empty when it can."""
-    if isinstance(x, MXTensor) or isinstance(w, MXTensor):
-        return ["the Gluon kernel takes a bf16 projection (MXFP8 x / w run on the Triton kernels)"]
-    if interpret_mode() or x.device.type != "cuda":
+    """Why the Gluon sm90 kernels (mla_q_gluon.py) cannot run on these operands; empty when they can.
+    An MXFP8 projection runs them on the exact bf16 dequantization of x and w (see
+    _launch_gluon_dequantized), so only device, version and token count apply to it."""
+    mx = isinstance(x, MXTensor)
+    if mx != isinstance(w, MXTensor):
+        return ["x and w must both be bf16 or both MXTensors"]
+    xd, wd = (x.data, w.data) if mx else (x, w)
+    if interpret_mode() or xd.device.type != "cuda":
         return ["the Gluon kernel runs on CUDA only (no interpreter)"]
     try:
         from . import mla_q_gluon
     except ImportError as exc:  # a Triton without Gluon's Hopper API
         return [f"Gluon unavailable in this Triton ({triton.__version__}): {exc}"]
-    return mla_q_gluon.gluon_reasons(x, w)
+    return mla_q_gluon.gluon_reasons(xd, wd, dequantized=mx)
 
 
 # mla_q_forward_launch's Gluon variants -> mla_q_gluon.launch's kinds
@@ -589,6 +603,9 @@ def forward_variant(x, w) -> str:
         if reasons:
             raise ValueError(f"MXMLA_TRITON_MLA_Q_VARIANT={choice}: " + "; ".join(reasons))
         return choice
+    if choice == "auto" and not interpret_mode() and xd.device.type == "cuda" and not gluon_reasons(x, w):
+        # an MXFP8 projection too: its dequantized operands are fresh contiguous tensors
+        return "gluon_ws128" if xd.shape[0] % 128 == 0 else "gluon_ws"
     ok = _tma_ok(xd) and _tma_ok(wd)
     if choice == "pointer" or not ok:
         return "pointer"
@@ -637,9 +654,47 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
             raise ValueError(f"variant={variant!r}: " + "; ".join(reasons))
         from . import mla_q_gluon
 
-        mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
-                           col_scale, config=config, kind=_GLUON_KIND[variant])
+        if mx:
+            _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config,
+                                      _GLUON_KIND[variant])
+        else:
+            mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
+                               col_scale, config=config, kind=_GLUON_KIND[variant])
         return q_row, q_col
+    _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), config, variant, epilogue)
+    return q_row, q_col
+
+
+def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config, kind):
+    """The MXFP8 projection on the Gluon kernels: x and w dequantized to bf16 by the guarded flat pass
+    (exact: an e4m3 / e5m2 code times a power of two inside BF16_SAFE_SCALE_BYTES is a bf16 value, and
+    bf16 x bf16 products are exact in fp32, so the kernel computes the spec's fp32 sum of exact products
+    like the MXFP8 kernels do, in another order), then the MXFP8 pointer kernel, gated on the guard,
+    recomputes everything when a nonzero code sits under a scale byte outside that range or a value is
+    not finite. Cost beside the GEMM: one pass over x and w (w's 2 bytes an element of bf16 written
+    once; the weight is re-dequantized per call)."""
+    from . import mla_q_gluon
+    from .quantize import dequantize_bf16_flat
+
+    flag = torch.zeros(1, dtype=torch.int32, device=x.data.device)
+    x16 = dequantize_bf16_flat(x, guard=(flag, *BF16_SAFE_SCALE_BYTES[x.elem]))
+    w16 = dequantize_bf16_flat(w, guard=(flag, *BF16_SAFE_SCALE_BYTES[w.elem]))
+    mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
+                       col_scale, config=config, kind=kind)
+    cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
+    cfg["ROPE_SPLIT"] = True
+    _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)
+
+
+def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None):
+    """The Triton kernels (TMA or pointer) filling the four output buffers; gate: an int32 flag tensor
+    for the gated pointer kernel (the Gluon route's exact fallback)."""
+    row_codes, row_scale, col_codes, col_scale = outputs
+    mx = isinstance(x, MXTensor)
+    xd, wd = (x.data, w.data) if mx else (x, w)
+    tokens, k = xd.shape
+    heads = wd.shape[0] // _HEAD
+    device = xd.device
     if mx:
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)
         ws, swr, swc, w_groups, w_swz = _scale_args(w)
@@ -671,16 +726,17 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
         else:
             grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
             _fwd_tma_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
-        return q_row, q_col
+        return
     args = (xd, wd, xs, ws, cos, sin, *outs, tokens, k, heads, m_bucket(tokens),
-            xd.stride(0), xd.stride(1), wd.stride(0), wd.stride(1), *tail)
+            xd.stride(0), xd.stride(1), wd.stride(0), wd.stride(1), *tail, gate if gate is not None else xs)
+    if gate is not None:
+        meta["GATED"] = True
     if config is not None:
         grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
         _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
     else:
         grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
         _fwd_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
-    return q_row, q_col
 
 
 # --------------------------------------------------------------------------------------------------
@@ -691,15 +747,23 @@ def _grad_prep_kernel(
     src_ptr, cos_ptr, sin_ptr,
     g_ptr, row_code_ptr, row_scale_ptr, colt_code_ptr, colt_scale_ptr,
     R, C, stride_sr, stride_sc, stride_cos, stride_sin,
+    row_dq_ptr, col_dq_ptr, flag_ptr,
     ROPE: tl.constexpr, WRITE_BF16: tl.constexpr, ROW_Q: tl.constexpr, COL_Q: tl.constexpr,
     HW_CVT: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROW_DQ: tl.constexpr = False, COL_DQ: tl.constexpr = False, GATED: tl.constexpr = False,
 ):
     """src [R, C] (bf16) in tiles of [BLOCK_R, 64]. With ROPE, C = H * 192 and tile 2 of every head
     holds its RoPE gradient halves (gL | gR), turned into interleaved pairs by the mla backward rule.
     Outputs (each optional): g = RN_bf16 [R, C]; row-blocked codes [R, C] + scales [R, C/32];
-    column-blocked (along R) codes written TRANSPOSED [C, R] + scales [C, R/32]."""
+    column-blocked (along R) codes written TRANSPOSED [C, R] + scales [C, R/32]; ROW_DQ / COL_DQ: the
+    bf16 dequantization of the row- / column-blocked quantization, [R, C] each (exact where the guard
+    stays down; *flag_ptr = 1 where a nonzero code's scale byte is outside the bf16-safe range or a value
+    is not finite). GATED: every program returns at once unless *flag_ptr is nonzero (the fallback)."""
     WIDTH: tl.constexpr = 64
     HALF: tl.constexpr = 32
+    if GATED:
+        if tl.load(flag_ptr) == 0:
+            return
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -746,34 +810,69 @@ def _grad_prep_kernel(
         rb = pid_r * NB + tl.arange(0, NB)
         tl.store(colt_scale_ptr + offs_c.to(tl.int64)[None, :] * (R // 32) + rb[:, None], e.to(tl.uint8),
                  mask=(rb < R // 32)[:, None] & c_ok[None, :])
+    if ROW_DQ or COL_DQ:
+        bad = tl.zeros([BLOCK_R, WIDTH], tl.int32)
+        out_off = offs_r.to(tl.int64)[:, None] * C + offs_c[None, :]
+        ok2 = r_ok[:, None] & c_ok[None, :]
+        if ROW_DQ:
+            codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), HW_CVT)
+            dq_r = tl.reshape(decode_e4m3(codes, HW_CVT) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
+            bad |= tl.reshape(bf16_unsafe(codes, e[:, :, None], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
+            bad |= ((dq_r.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+            tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
+        if COL_DQ:
+            NB2: tl.constexpr = BLOCK_R // 32
+            codes, e = _quantize_cols(tl.reshape(v, [NB2, 32, WIDTH]), HW_CVT)
+            dq_c = tl.reshape(decode_e4m3(codes, HW_CVT) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
+            bad |= tl.reshape(bf16_unsafe(codes, e[:, None, :], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
+            bad |= ((dq_c.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+            tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
+        bad = tl.where(ok2, bad, 0)  # rows past R are clamped copies of row R - 1, never stored
+        if tl.max(tl.max(bad, axis=1), axis=0) > 0:
+            tl.store(flag_ptr, 1)
 
 
-def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False):
-    """Run the pre-pass on a 2-D bf16 tensor; returns (g, (row codes, row scales), (colT codes, colT scales))."""
+def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False,
+                 row_dq=False, col_dq=False, flag=None, gated=False, buffers=None):
+    """Run the pre-pass on a 2-D bf16 tensor; returns (g, (row codes, row scales), (colT codes, colT
+    scales)), or with row_dq / col_dq (flag: the int32 guard flag) the bf16 dequantized (row, col)
+    tensors. gated: the run happens only when *flag is set (buffers: preallocated (row codes, row
+    scales, colT codes, colT scales) to write)."""
     rows, cols = src2d.shape
     device = src2d.device
     dummy8 = torch.zeros(1, dtype=torch.uint8, device=device)
     g = _empty((rows, cols), torch.bfloat16, device) if write_bf16 else None
-    row_codes = _empty((rows, cols), torch.float8_e4m3fn, device) if row_q else None
-    row_scale = _empty((rows, cols // 32), torch.uint8, device) if row_q else None
-    colt_codes = _empty((cols, rows), torch.float8_e4m3fn, device) if col_q else None
-    colt_scale = _empty((cols, rows // 32), torch.uint8, device) if col_q else None
+    if buffers is not None:
+        row_codes, row_scale, colt_codes, colt_scale = buffers
+    else:
+        row_codes = _empty((rows, cols), torch.float8_e4m3fn, device) if row_q else None
+        row_scale = _empty((rows, cols // 32), torch.uint8, device) if row_q else None
+        colt_codes = _empty((cols, rows), torch.float8_e4m3fn, device) if col_q else None
+        colt_scale = _empty((cols, rows // 32), torch.uint8, device) if col_q else None
+    row_deq = _empty((rows, cols), torch.bfloat16, device) if row_dq else None
+    col_deq = _empty((rows, cols), torch.bfloat16, device) if col_dq else None
+    dq_out = row_dq or col_dq
     if rows == 0 or cols == 0:
-        return g, (row_codes, row_scale), (colt_codes, colt_scale)
+        return (row_deq, col_deq) if dq_out else (g, (row_codes, row_scale), (colt_codes, colt_scale))
     if cos is None:
         cos = sin = torch.zeros((1, MLA_ROPE_DIM), dtype=torch.float32, device=device)
     cos, sin = _unit_last(cos), _unit_last(sin)
     block_r = 64 if interpret_mode() else 128
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
+    dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)
     _grad_prep_kernel[grid](
         src2d, cos, sin,
-        g if g is not None else torch.zeros(1, dtype=torch.bfloat16, device=device),
+        g if g is not None else dummy16,
         u8(row_codes), u8(row_scale), u8(colt_codes), u8(colt_scale),
         rows, cols, src2d.stride(0), src2d.stride(1), cos.stride(0), sin.stride(0),
+        row_deq if row_deq is not None else dummy16, col_deq if col_deq is not None else dummy16,
+        flag if flag is not None else dummy8,
         ROPE=rope, WRITE_BF16=write_bf16, ROW_Q=row_q, COL_Q=col_q, HW_CVT=_hw_cvt(device), BLOCK_R=block_r,
-        num_warps=4, enable_fp_fusion=False,
+        ROW_DQ=row_dq, COL_DQ=col_dq, GATED=gated, num_warps=4, enable_fp_fusion=False,
     )
+    if dq_out:
+        return row_deq, col_deq
     return g, (row_codes, row_scale), (colt_codes, colt_scale)
 
 
@@ -797,7 +896,14 @@ def _transposed_operand(t: MXTensor) -> MXTensor:
     return MXTensor(t.data.t(), scale, 1, t.elem, t.scale_layout)
 
 
-def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
+BACKWARD_ROUTES = ("dequantized", "mxfp8_gemm")
+
+
+def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False, route="dequantized"):
+    """The backward (module docstring). quantize_grad=True has two routes with one contract: "dequantized"
+    (default) and "mxfp8_gemm" (the quantized operands through mxfp8_gemm_tensors)."""
+    if route not in BACKWARD_ROUTES:
+        raise ValueError(f"route: expected one of {', '.join(BACKWARD_ROUTES)}, got {route!r}")
     tokens, heads = dq.shape[0], dq.shape[1]
     n = heads * _HEAD
     dq2 = dq.reshape(tokens, n)
@@ -806,6 +912,8 @@ def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
         xb = _dequantize_bf16(x) if isinstance(x, MXTensor) else x
         wb = _dequantize_bf16(w) if isinstance(w, MXTensor) else w
         return torch.matmul(g, wb), torch.matmul(g.t(), xb)
+    if route == "dequantized":
+        return _backward_dequantized(dq2, x, w, cos, sin)
     _, (g_codes, g_scale), (gt_codes, gt_scale) = _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True)
     g_row = MXTensor(g_codes, g_scale, 1, "e4m3", "compact")  # [T, N] blocked along N
     g_col_t = MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact")  # [N, T] blocked along T
@@ -824,6 +932,87 @@ def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
     dw = _empty((n, k), torch.bfloat16, dq.device)
     mxfp8_gemm_tensors(g_row, w_t, dx)
     mxfp8_gemm_tensors(g_col_t, x_t, dw)
+    return dx, dw
+
+
+def _carve(buf: torch.Tensor, parts):
+    """Views into buf's bytes, one per (shape, dtype) in parts, laid end to end (the fallback's codes and
+    scales reuse the fast path's bf16 buffers: no memory is held for a path that almost never runs)."""
+    flat = torch.empty(0, dtype=torch.uint8, device=buf.device)
+    flat.set_(buf.untyped_storage(), buf.storage_offset() * buf.element_size(), (buf.numel() * buf.element_size(),))
+    views, at = [], 0
+    for shape, dtype in parts:
+        size = math.prod(shape)
+        views.append(flat[at:at + size].view(dtype).view(shape))
+        at += size
+    assert at <= flat.numel(), "carved views exceed the buffer"
+    return views
+
+
+def _contraction_bf16(t, flag):
+    """bf16 [R, K] of an operand blocked along R (axis 0, the GEMM's contraction axis in the backward):
+    an MXTensor dequantized by the guarded flat pass (a K-major copy -- data.t() contiguous, as the
+    weight cache stores it -- is dequantized in that layout and handed back transposed); a bf16 tensor
+    quantized along R and dequantized in one pre-pass (its exact MXFP8 value, as the spec's backward
+    quantizes it)."""
+    from .quantize import dequantize_bf16_flat
+
+    if isinstance(t, MXTensor):
+        guard = (flag, *BF16_SAFE_SCALE_BYTES[t.elem])
+        if not t.data.is_contiguous() and t.data.t().is_contiguous():
+            tt = _transposed_operand(t)
+            return dequantize_bf16_flat(tt, guard=guard).t()
+        return dequantize_bf16_flat(t, guard=guard)
+    _, col = _prep_launch(t, col_dq=True, flag=flag)
+    return col
+
+
+def _fallback_operand(t, bf16_buf, flag):
+    """The K-major MXFP8 operand [K, R] (blocked along R) of t for the exact fallback GEMM: the
+    MXTensor's transposed view, or, for bf16 t, its columnwise quantization written by a gated pre-pass
+    into bf16_buf's bytes."""
+    if isinstance(t, MXTensor):
+        return _transposed_operand(t)
+    rows, cols = t.shape
+    codes, scales = _carve(bf16_buf, (((cols, rows), torch.float8_e4m3fn), ((cols, rows // 32), torch.uint8)))
+    _prep_launch(t, col_q=True, flag=flag, gated=True, buffers=(None, None, codes, scales))
+    return MXTensor(codes, scales, 1, "e4m3", "compact")
+
+
+def _backward_dequantized(dq2, x, w, cos, sin):
+    """The MXFP8 backward on bf16 GEMMs. One pre-pass reads dq once and writes the bf16 dequantization
+    of both quantizations of g (row- and column-blocked, each exact in bf16 where the guard stays
+    down); x and w blocked along T / N come dequantized likewise; then dx = g_row @ w_n and dw = g_col^T
+    @ x_t are two cuBLAS bf16 GEMMs (exact products, fp32 sum, one rounding: the MXFP8 GEMM's
+    contract, as its bf16 route keeps it). Against the MXFP8-GEMM route this writes g twice as bf16
+    (4 bytes an element instead of 2 of codes) but no GEMM re-reads codes to dequantize them, and
+    cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
+    BF16_SAFE_SCALE_BYTES, or a value not finite) sends the whole op to the exact path, gated on the
+    device-side flag (no host sync): the pre-pass re-run writing codes and the exact block GEMMs."""
+    tokens, n = dq2.shape
+    device = dq2.device
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    g_row16, g_col16 = _prep_launch(dq2, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag)
+    w16 = _contraction_bf16(w, flag)  # [N, K]
+    x16 = _contraction_bf16(x, flag)  # [T, K]
+    k = x16.shape[1]
+    dx = _empty((tokens, k), torch.bfloat16, device)
+    dw = _empty((n, k), torch.bfloat16, device)
+    if tokens and n and k:
+        bf16_matmul_fp32_sum(g_row16, w16.t(), dx)
+        bf16_matmul_fp32_sum(g_col16.t(), x16.t(), dw)
+        # exact fallback, each launch a no-op unless the flag is up
+        g_codes, g_scale = _carve(g_row16, (((tokens, n), torch.float8_e4m3fn), ((tokens, n // 32), torch.uint8)))
+        gt_codes, gt_scale = _carve(g_col16, (((n, tokens), torch.float8_e4m3fn), ((n, tokens // 32), torch.uint8)))
+        _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True, flag=flag, gated=True,
+                     buffers=(g_codes, g_scale, gt_codes, gt_scale))
+        w_t = _fallback_operand(w, w16, flag)
+        x_t = _fallback_operand(x, x16, flag)
+        exact_fallback(MXTensor(g_codes, g_scale, 1, "e4m3", "compact"), w_t, dx, flag)
+        exact_fallback(MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact"), x_t, dw, flag)
+    else:  # an empty contraction: zeros (a zero-sized output stays as it is)
+        dx.zero_()
+        dw.zero_()
     return dx, dw
 
 

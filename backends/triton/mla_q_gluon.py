@@ -566,20 +566,24 @@ VERIFIED_TRITON = ("3.6.",)  # Gluon is experimental: 3.9 renames the TMA copies
 # thread_barrier / automatic shared-memory barriers, so other releases need their own port and GPU run
 
 
-def gluon_reasons(x, w) -> list:
-    """Why the Gluon kernel cannot run these operands (empty: it can)."""
+def gluon_reasons(x, w, dequantized: bool = False) -> list:
+    """Why the Gluon kernel cannot run these operands (empty: it can). dequantized: x and w are the codes
+    of MXTensors whose exact bf16 dequantization (fresh contiguous tensors) the kernel will read, so
+    only device, version and token count apply."""
     reasons = []
     if not triton.__version__.startswith(VERIFIED_TRITON):
         reasons.append(f"the Gluon kernel is verified with Triton {', '.join(v + 'x' for v in VERIFIED_TRITON)} only, "
                        f"this is {triton.__version__}")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
-        return ["x and w must be bf16 tensors (the MXFP8 projection runs on the Triton kernels)"]
+        return ["x and w must be tensors"]
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
         reasons.append("needs an sm90 GPU (wgmma)")
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        reasons.append("x and w must be bf16")
     if x.shape[0] % BLOCK_M:
         reasons.append(f"tokens must be a multiple of {BLOCK_M}, got {x.shape[0]}")
+    if dequantized:
+        return reasons
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        reasons.append("x and w must be bf16")
     for name, t in (("x", x), ("w", w)):
         if t.dim() != 2 or t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * 2) % 16:
             reasons.append(f"{name} must be 2-D with unit last stride, 16-byte aligned base and rows (TMA)")

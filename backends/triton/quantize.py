@@ -737,7 +737,8 @@ def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOC
     contiguous compact scales [outer, L/32, INNER]. One flat 1-D pass (no tiles): a scale byte is
     re-read per element from L1, so it streams at copy speed (H200: 3.7 TB/s on attention's k, v; the
     GEMM's two operands in 0.044 ms where the tiled _dequantize_kernel took 0.118 ms). GUARD: also
-    set *flag_ptr = 1 when a scale byte lies outside [GUARD_LO, GUARD_HI] or a value is not finite
+    set *flag_ptr = 1 when a nonzero code's scale byte lies outside [GUARD_LO, GUARD_HI] or a value is
+    not finite
     (the MXFP8 GEMM's bf16 route, gemm.py). NaN lanes keep the hardware's NaN bits (sign included),
     unlike mxfp8_dequantize's canonical NaN: the callers never hand them out (attention's NaN stays
     NaN; the GEMM route's guard sends NaN operands to its exact fallback)."""
@@ -749,7 +750,8 @@ def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOC
     x = _decode(codes, IS_E5M2, HW_CVT) * _scale_value(e)
     if GUARD:
         bits = x.to(tl.int32, bitcast=True)
-        bad = (e < GUARD_LO) | (e > GUARD_HI) | ((bits & 0x7F800000) == 0x7F800000)
+        # a zero code is +-0 under any finite scale byte: all-zero blocks (rceil byte 0) stay exact
+        bad = (((e < GUARD_LO) | (e > GUARD_HI)) & ((codes.to(tl.int32) & 0x7F) != 0)) | ((bits & 0x7F800000) == 0x7F800000)
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             tl.store(flag_ptr, 1)
     if HW_CVT:  # cvt.rn.bf16.f32

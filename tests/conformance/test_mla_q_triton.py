@@ -85,13 +85,11 @@ def _pinned(device, block_m, block_k, split, kind):
 
 def _variant_or_skip(device, variant, kind="bf16"):
     """Skip a Gluon case ("gluon", "gluon_ws", "gluon_ws128") where the Gluon kernels do not run (CPU / interpreter,
-    not sm90, MXFP8)."""
+    not sm90). An MXFP8 projection runs them on its guarded bf16 dequantization."""
     if not variant.startswith("gluon"):
         return
     if device != "cuda":
         pytest.skip("the Gluon kernel runs on CUDA only (no interpreter)")
-    if kind != "bf16":
-        pytest.skip("the Gluon kernel takes a bf16 projection")
     import backends.triton.mla_q as mod
 
     probe = torch.zeros((64, 64), dtype=torch.bfloat16, device="cuda")
@@ -356,7 +354,8 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
         mod.forward_variant(x, x)
     xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
                   "compact")
-    assert "bf16 projection" in mod.gluon_reasons(xm, xm)[0]
+    assert "CUDA only" in mod.gluon_reasons(xm, xm)[0]  # an MXFP8 projection runs them dequantized on CUDA
+    assert "both bf16 or both MXTensors" in mod.gluon_reasons(xm, x)[0]
     with pytest.raises(ValueError, match="variant='gluon'"):
         mod.mla_q_forward_launch(x, torch.zeros((192, 64), dtype=torch.bfloat16), torch.zeros((64, 64)),
                                  torch.zeros((64, 64)), variant="gluon")
