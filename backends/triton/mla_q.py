@@ -485,7 +485,7 @@ def _fwd_configs(mx: bool, tma: bool = False):
     accumulators raise register pressure, so 32/64-wide K steps.
     """
     if tma:
-        # six of the eleven candidates timed on the H200 (results/h200-2026-11-30-s3/mla_q_parts_*.txt): the
+        # six of the eleven candidates timed on the H200 (results/h200-2026-11-30-e45dc49/mla_q_parts_*.txt): the
         # 128-token tiles, and 64-token tiles at 3 stages (with / without a register cap), 2 stages and
         # 32-wide K; 64 x 64, 4 warps, 3 stages (two CTAs per SM) won at T = 4096 and 16384
         shapes = ((128, 64, 8, 3, True, None), (128, 64, 8, 4, True, None), (64, 64, 4, 3, True, None),
