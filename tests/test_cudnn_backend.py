@@ -414,50 +414,72 @@ MX_GATES = [
 
 @pytest.mark.parametrize("cc,cudnn,want", MX_GATES, ids=[f"sm{c[0]}{c[1]}-{v}" for c, v, _ in MX_GATES])
 def test_mxfp8_gating(fake, monkeypatch, cc, cudnn, want):
+    # the native MXFP8 graph's gate; where it declines, the dequantized route (bf16 graph) serves
     set_machine(monkeypatch, cc, cudnn)
     _, (q, k, v) = mx_inputs(0, 1, 64, 64, 2, "bshd")
-    assert att.attention_reasons(q, k, v, causal=True) == want
+    assert att._mxfp8_reasons(q, k, v, True, "bshd", backward=False) == want
+    assert att.mx_route(q, k, v, True, "bshd", backward=False) == ("dequantized" if want else "native", [])
+    assert att.attention_reasons(q, k, v, causal=True) == []
     do = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 64)
-    assert att.attention_backward_reasons(do, q, k, v, do, lse, causal=True) == [
+    extra = (("o", do), ("do", do))
+    assert att._mxfp8_reasons(q, k, v, True, "bshd", backward=True, extra=extra) == [
         r.replace("MXFP8 SDPA", "MXFP8 SDPA backward") for r in want]
+    assert att.attention_backward_reasons(do, q, k, v, do, lse, causal=True) == []
 
 
-def test_bf16_accepted_on_sm90_mxfp8_rejected(fake, monkeypatch):
-    """The H200 of this project: bf16 served, MXFP8 declined with the architecture reason."""
+def test_sm90_mxfp8_takes_the_dequantized_route(fake, monkeypatch):
+    """The H200: bf16 served by the bf16 graph, MXFP8 by the same graph on its exact bf16 dequantization."""
     set_machine(monkeypatch, (9, 0), 91900)
     q, k, v, _ = bf16_inputs(0, 1, 64, 64, 2, "bshd")
     assert att.attention_reasons(q, k, v, causal=True) == []
     _, (qm, km, vm) = mx_inputs(0, 1, 64, 64, 2, "bshd")
-    assert att.attention_reasons(qm, km, vm) == [
+    assert att.mx_route(qm, km, vm, False, "bshd", backward=False) == ("dequantized", [])
+    assert att.attention_reasons(qm, km, vm) == []
+    assert att._mxfp8_reasons(qm, km, vm, False, "bshd", backward=False) == [
         "cudnn MXFP8 SDPA needs compute capability 10.x (sm100 family), cpu is 9.0",
         "cudnn MXFP8 SDPA needs cuDNN >= 9.21.0, found 9.19.0"]
+    FakeGraph.instances = []
+    monkeypatch.setattr(att, "_dequantize_bf16", lambda t: to_torch(spec.mxfp8_dequantize(to_numpy(t), "bfloat16")))
+    att.mla_attention(qm, km, vm, causal=True)
+    ops = [op[0] for g in FakeGraph.instances for op in g.ops]
+    assert "sdpa" in ops and "sdpa_mxfp8" not in ops
+
+
+def test_mxfp8_rejected_by_both_routes(fake, monkeypatch):
+    set_machine(monkeypatch, (8, 0), 91900)
+    _, (qm, km, vm) = mx_inputs(0, 1, 64, 64, 2, "bshd")
+    r = att.attention_reasons(qm, km, vm)
+    assert r[0] == "cudnn MXFP8 SDPA needs compute capability 10.x (sm100 family), cpu is 8.0"
+    assert "dequantized route: cudnn graph SDPA on dequantized MXFP8 (bf16 graph) needs compute capability >= 9.0, cpu is 8.0" in r
 
 
 def test_mxfp8_shape_and_frontend_reasons(fake, monkeypatch):
+    # the native graph's own conditions (att._mxfp8_reasons); the dequantized route takes these shapes
     _, (q, k, v) = mx_inputs(0, 1, 96, 128, 2, "bshd")
-    r = att.attention_reasons(q, k, v, causal=True)
+    assert att.attention_reasons(q, k, v, causal=True) == []
+    r = att._mxfp8_reasons(q, k, v, True, "bshd", backward=False)
     assert r == ["cudnn MXFP8 SDPA: a bottom-right causal mask (S_q 96 < S_kv 128) needs S_q and S_kv multiples "
                  "of 64 in cuDNN's FP8 SDPA"]
-    assert att.attention_reasons(q, k, v, causal=False) == []
+    assert att._mxfp8_reasons(q, k, v, False, "bshd", backward=False) == []
     _, (q, k, v) = mx_inputs(0, 1, 80, 64, 2, "bshd")
     do = torch.zeros(1, 80, 2, 128, dtype=torch.bfloat16)
-    r = att.attention_backward_reasons(do, q, k, v, do, torch.zeros(1, 2, 80))
+    r = att._mxfp8_reasons(q, k, v, False, "bshd", backward=True, extra=(("o", do), ("do", do)))
     assert r == ["cudnn MXFP8 SDPA backward: S_q (80) must be a multiple of 32 (q and do are quantized along S "
                  "for dK = dS^T q and dV = P^T dO)"]
     (qn, kn, vn), _ = mx_inputs(0, 1, 64, 64, 2, "bshd")
     q5 = to_torch(spec.mxfp8_quantize(spec.mxfp8_dequantize(qn), axis=-1, elem="e5m2"))
     _, (q, k, v) = mx_inputs(0, 1, 64, 64, 2, "bshd")
-    assert att.attention_reasons(q5, k, v) == ["q: cuDNN MXFP8 SDPA takes e4m3 codes, got e5m2"]
+    assert att._mxfp8_reasons(q5, k, v, False, "bshd", backward=False) == ["q: cuDNN MXFP8 SDPA takes e4m3 codes, got e5m2"]
     thd = spec.MXTensor(q.data[0], q.scale[0], 2)
     kt = spec.MXTensor(k.data[0], k.scale[0], 2)
     vt = to_torch(spec.mxfp8_quantize(spec.mxfp8_dequantize(vn)[0], axis=0))
     cu = torch.tensor([0, 64], dtype=torch.int32)
-    r = att.attention_reasons(thd, kt, vt, layout="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    r = att._mxfp8_reasons(thd, kt, vt, False, "thd", backward=False)
     assert r == ["MXFP8 attention in thd layout: cuDNN's per-(batch, head) F8_128x4 scale tensors would need "
                  "per-sequence padding; use bshd or sbhd"]
     monkeypatch.setitem(sys.modules, "cudnn", make_fake_cudnn(version="1.20.0", with_mxfp8=False))
-    assert att.attention_reasons(q, k, v) == ["nvidia-cudnn-frontend 1.20.0 has no pygraph.sdpa_mxfp8"]
+    assert att._mxfp8_reasons(q, k, v, False, "bshd", backward=False) == ["nvidia-cudnn-frontend 1.20.0 has no pygraph.sdpa_mxfp8"]
 
 
 def mla_q_inputs(t=128, h=2, mx=False):

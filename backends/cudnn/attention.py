@@ -7,6 +7,9 @@ What runs where
   cu_seqlens * H * D, int32, so T * H * 192 must stay below 2^31) with a padding mask
   (seq_len_q / seq_len_kv). thd needs the sequence lengths on the host: one device->host copy of
   cu_seqlens per call.
+- MXFP8 q, k, v on sm90 (and wherever the native graph below cannot serve): each dequantized exactly to
+  bf16 by one flat pass (spec's MXFP8 attention inputs), then the bf16 graph; the backward dequantizes
+  again (no bf16 copies kept between forward and backward) and returns bf16 gradients (mx_route).
 - MXFP8 q, k, v (e4m3; q, k blocked along D, v along S): `pygraph.sdpa_mxfp8` /
   `pygraph.sdpa_mxfp8_backward`, compute capability 10.x, cuDNN >= 9.21 except 9.23.0 / 9.23.1, bshd
   and sbhd only. Written against the frontend 1.32 documentation and sources; NOT run by this
@@ -177,6 +180,58 @@ def _mxfp8_reasons(q, k, v, causal, layout, backward: bool, extra=()) -> List[st
     return reasons
 
 
+def _dequantized_reasons(q, k, v, layout, extra) -> List[str]:
+    """Why the dequantized MXFP8 route cannot serve: the bf16 graph's conditions on the bf16 tensors the
+    flat dequantize produces (fresh and contiguous, so only device, version, head dims and sizes apply)."""
+    reasons = []
+    dev = _common.first_device((q, k, v))
+    reasons += _common.capability_reasons(dev, "cudnn graph SDPA on dequantized MXFP8 (bf16 graph)", min_cc=(9, 0))
+    reasons += _version_reasons(MIN_CUDNN_BF16, "cudnn bf16 SDPA with head dim 192")
+    if q.shape[-1] != D_QK or k.shape[-1] != D_QK or v.shape[-1] != D_V:
+        reasons.append(f"cudnn serves the MLA head dims d_qk {D_QK} / d_v {D_V} only, got "
+                       f"{q.shape[-1]} / {v.shape[-1]}")
+    for name, t in extra:
+        if t.dtype != torch.bfloat16:
+            reasons.append(f"{name}: the cudnn graph SDPA path takes bfloat16, got {t.dtype}")
+        reasons += _stride_reasons(name, t, layout, 8)
+    if layout == "thd":
+        heads = q.shape[1]
+        for name, t, d in (("q", q, D_QK), ("k", k, D_QK)):
+            if t.shape[0] * heads * d >= 2**31:
+                reasons.append(f"{name}: T * H * {d} = {t.shape[0] * heads * d} does not fit the int32 ragged "
+                               f"offsets this backend builds")
+    elif 0 in (q.shape[0], q.shape[1], k.shape[0], k.shape[1]):
+        reasons.append("empty batch or sequence: nothing for cuDNN to do (use the torch backend)")
+    return reasons
+
+
+def mx_route(q, k, v, causal, layout, backward: bool, extra=()) -> Tuple[Optional[str], List[str]]:
+    """("native" | "dequantized" | None, reasons) for MXFP8 q, k, v. native: cuDNN's MXFP8 SDPA (sm100,
+    unrun here). dequantized (sm90+, where native cannot serve): q, k, v dequantized exactly to bf16 by
+    one flat pass each (RN_bf16(code * 2^(e-127)): spec's MXFP8 attention inputs), then the bf16 graph;
+    the backward dequantizes again instead of keeping bf16 copies (the MXFP8 path's activation memory
+    is the point of it) and returns bf16 gradients, as a bf16 backward of an MXFP8 forward does."""
+    native = _mxfp8_reasons(q, k, v, causal, layout, backward, extra)
+    if not native:
+        return "native", []
+    dequantized = _dequantized_reasons(q, k, v, layout, extra)
+    if not dequantized:
+        return "dequantized", []
+    return None, native + [f"dequantized route: {r}" for r in dequantized]
+
+
+def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
+    """bf16 RN(code * 2^(e-127)) of an MXTensor at copy speed (Triton's flat pass), or the torch backend's
+    dequantize where Triton is absent."""
+    try:
+        from backends.triton.quantize import dequantize_bf16_flat
+    except ImportError:
+        from backends.torch.quantize import mxfp8_dequantize
+
+        return mxfp8_dequantize(t, out_dtype="bfloat16")
+    return dequantize_bf16_flat(t)
+
+
 def _operand_kind(q, k, v) -> Tuple[Optional[str], List[str]]:
     is_mx = [isinstance(t, MXTensor) for t in (q, k, v)]
     if all(is_mx):
@@ -195,7 +250,7 @@ def attention_reasons(q, k, v, causal=False, softmax_scale=None, layout="bshd", 
     if kind == "bf16":
         return why + _bf16_reasons(q, k, v, layout, ())
     if kind == "mxfp8":
-        return why + _mxfp8_reasons(q, k, v, causal, layout, backward=False)
+        return why + mx_route(q, k, v, causal, layout, backward=False)[1]
     return why
 
 
@@ -208,7 +263,7 @@ def attention_backward_reasons(do, q, k, v, o, lse, causal=False, softmax_scale=
     if kind == "bf16":
         return why + _bf16_reasons(q, k, v, layout, (("o", o), ("do", do)))
     if kind == "mxfp8":
-        return why + _mxfp8_reasons(q, k, v, causal, layout, backward=True, extra=(("o", o), ("do", do)))
+        return why + mx_route(q, k, v, causal, layout, backward=True, extra=(("o", o), ("do", do)))[1]
     return why
 
 
@@ -855,7 +910,9 @@ def mla_attention(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_s
     """spec.mla_attention on cuDNN: (o bf16 in q's layout, lse fp32 [B, H, S_q] or thd [H, T_q])."""
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
-        return _forward_leading_masked(_mx_forward, q, k, v, causal, scale, layout)
+        if mx_route(q, k, v, causal, layout, backward=False)[0] == "native":
+            return _forward_leading_masked(_mx_forward, q, k, v, causal, scale, layout)
+        q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":
         return _thd_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_kv)
     return _forward_leading_masked(_dense_forward, q, k, v, causal, scale, layout)
@@ -867,7 +924,10 @@ def mla_attention_backward(do, q, k, v, o, lse, causal=False, softmax_scale=None
     """spec.mla_attention_backward on cuDNN: (dq, dk, dv) bf16 in the layouts of q, k, v."""
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
-        return _backward_leading_masked(_mx_backward, do, q, k, v, o, lse, causal, scale, layout)
+        extra = (("o", o), ("do", do))
+        if mx_route(q, k, v, causal, layout, backward=True, extra=extra)[0] == "native":
+            return _backward_leading_masked(_mx_backward, do, q, k, v, o, lse, causal, scale, layout)
+        q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":
         return _thd_backward(do, q, k, v, o, lse, causal, scale, cu_seqlens_q, cu_seqlens_kv)
     return _backward_leading_masked(_dense_backward, do, q, k, v, o, lse, causal, scale, layout)

@@ -355,7 +355,7 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
     xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
                   "compact")
     assert "CUDA only" in mod.gluon_reasons(xm, xm)[0]  # an MXFP8 projection runs them dequantized on CUDA
-    assert "both bf16 or both MXTensors" in mod.gluon_reasons(xm, x)[0]
+    assert "must both be bf16 or both MXTensors" in mod.gluon_reasons(xm, x)[0]
     with pytest.raises(ValueError, match="variant='gluon'"):
         mod.mla_q_forward_launch(x, torch.zeros((192, 64), dtype=torch.bfloat16), torch.zeros((64, 64)),
                                  torch.zeros((64, 64)), variant="gluon")
