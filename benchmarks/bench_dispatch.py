@@ -30,10 +30,11 @@ def overhead_us(op, args, kwargs, repeat=15, number=2000):
     """Time run() and a direct call with the chosen implementation's function replaced by a no-op in
     the selection cache, so the difference is the dispatcher's own cost and not the op's noise."""
     backends.load()
-    impl = dispatch._select(op, None, args, kwargs)  # fills the cache entry run() will hit
+    entry = dispatch._select(op, None, args, kwargs)  # fills the cache entry run() will hit
+    impl, check_values = entry
     for key, cached in list(dispatch._cache.items()):
-        if cached is impl:
-            dispatch._cache[key] = dataclasses.replace(impl, fn=_noop)
+        if cached is entry:
+            dispatch._cache[key] = (dataclasses.replace(impl, fn=_noop), check_values)
     direct = lambda: _noop(*args, **kwargs)  # noqa: E731
     routed = lambda: dispatch.run(op, *args, **kwargs)  # noqa: E731
     select_only = lambda: dispatch._select(op, None, args, kwargs)  # noqa: E731

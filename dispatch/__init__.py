@@ -5,11 +5,17 @@ whose capability check accepts the call serves it (CUDA: cudnn, triton, torch; C
 serves only when named. A named backend that cannot serve raises BackendUnavailable with every reason:
 the dispatcher never swaps in another backend behind the caller's back.
 
-Arguments are validated once per call signature by spec's validators, before any backend runs, so
-every backend raises the same errors. That validation covers shapes, dtypes, divisibility and choices;
-checks of index-tensor values (cu_seqlens monotone, positions inside the table) need the data, so only
-the spec backend runs them (a CUDA backend reading them would synchronise the device every call). Selections are cached per (op, backend request, MXMLA_BACKEND,
-call signature); the cache is thread-safe and a change of MXMLA_BACKEND selects afresh.
+Arguments are validated by spec's validators before any backend runs, so every backend raises the
+same errors. Shapes, dtypes, divisibility and choices are checked once per call signature (everything
+decidable from them: a RoPE table too short for the tokens raises here, never as a device-side
+assert). Index-tensor values (cu_seqlens starting at 0, non-decreasing, ending at T; positions inside
+the table) need the data and are checked on every call whose index tensors are on the CPU (or NumPy);
+on CUDA only with MXMLA_CHECK_VALUES=1, because reading them copies them to the host, one device
+synchronisation per call. Without it a bad CUDA index value is the caller's responsibility.
+
+Selections are cached per (op, backend request, MXMLA_BACKEND, MXMLA_CHECK_VALUES, call signature);
+the cache is thread-safe and a change of either variable selects afresh. Every selection also parses
+every environment switch (backends/settings.py), so a bad value raises naming the variable.
 """
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import backends as _backends
 import spec as _spec
+from backends import settings as _settings
 from backends.convert import device_of
-from spec.checks import shape_checks_only
+from spec.checks import dtype_name, shape_checks_only
 from spec.constants import OPS
 
 from .errors import BackendUnavailable, DispatchConfigError
@@ -34,6 +41,7 @@ __version__ = package_version()
 log = logging.getLogger("mxmla.dispatch")
 
 ENV_VAR = "MXMLA_BACKEND"
+CHECK_VALUES_VAR = "MXMLA_CHECK_VALUES"
 PRIORITY = {"cuda": ("cudnn", "triton", "torch"), "cpu": ("torch",), None: ()}
 
 _cache: Dict[tuple, Any] = {}
@@ -43,8 +51,9 @@ _cache_lock = threading.Lock()
 # a dict that every assignment through os.environ updates, so the hot path reads that dict instead.
 _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_KEY = ENV_VAR.encode() if os.name == "posix" else ENV_VAR.upper()
+_CHECK_KEY = CHECK_VALUES_VAR.encode() if os.name == "posix" else CHECK_VALUES_VAR.upper()
 if not isinstance(_ENV_DATA, dict):  # pragma: no cover - other platforms
-    _ENV_DATA, _ENV_KEY = os.environ, ENV_VAR
+    _ENV_DATA, _ENV_KEY, _CHECK_KEY = os.environ, ENV_VAR, CHECK_VALUES_VAR
 
 
 def _env_raw():
@@ -106,13 +115,15 @@ def _evaluate(op: str, candidates, args, kwargs) -> Tuple[Optional[Any], Dict[st
 
 def validate(op: str, *args, backend: Optional[str] = None, **kwargs) -> None:
     """Raise what `run` would raise for these arguments before any backend runs: an unknown op, a bad
-    `backend=`, or spec's validator error (TypeError / ValueError naming the argument). Index values
-    are checked as module docstring says. Layers above dispatch (the autograd wrappers) call this on
-    the caller's arguments before converting them."""
+    `backend=`, or spec's validator error (TypeError / ValueError naming the argument); index values
+    as the module docstring says. Layers above dispatch (the autograd wrappers) call this on the
+    caller's arguments before converting them."""
     _check_op(op)
     if backend is not None:
         parse_backend_list(backend, "backend")
     _validate_args(op, args, kwargs)
+    if _values_checked(args, kwargs):
+        _check_values(op, args, kwargs)
 
 
 def _validate_args(op: str, args, kwargs) -> None:
@@ -120,17 +131,40 @@ def _validate_args(op: str, args, kwargs) -> None:
         _spec.VALIDATORS[op](*args, **kwargs)
 
 
+def _check_values(op: str, args, kwargs) -> None:
+    """The validator with its index-value checks (the default outside shape_checks_only)."""
+    _spec.VALIDATORS[op](*args, **kwargs)
+
+
+def _values_checked(args, kwargs) -> bool:
+    """Whether every call of this signature gets its index values checked: it passes an integer
+    tensor (cu_seqlens, positions, start_positions) and that is on the host or MXMLA_CHECK_VALUES=1."""
+    index = [v for v in list(args) + list(kwargs.values())
+             if hasattr(v, "dtype") and hasattr(v, "shape") and dtype_name(v) in ("int32", "int64")]
+    if not index:
+        return False
+    on_host = all(getattr(device_of(v), "type", "cpu") == "cpu" for v in index)
+    return on_host or _settings.flag(CHECK_VALUES_VAR)
+
+
+def _key(op: str, backend, args, kwargs) -> tuple:
+    return (op, backend, _env_raw() if backend is None else None, _ENV_DATA.get(_CHECK_KEY),
+            call_signature(args, kwargs))
+
+
 def _select(op: str, backend: Optional[str], args, kwargs, key=None):
+    """(implementation, whether each call checks index values) for this call, cached."""
     if key is None:
-        key = (op, backend, _env_raw() if backend is None else None, call_signature(args, kwargs))
+        key = _key(op, backend, args, kwargs)
         try:
-            impl = _cache.get(key)
+            entry = _cache.get(key)
         except TypeError:  # an unhashable backend= (a list): _request below raises naming it
-            impl = None
-        if impl is not None:
-            return impl
+            entry = None
+        if entry is not None:
+            return entry
     _check_op(op)
     _backends.load()
+    _settings.check_all()
     _validate_args(op, args, kwargs)
     _same_device(op, args, kwargs)
     requested, source = _request(op, backend)
@@ -140,35 +174,46 @@ def _select(op: str, backend: Optional[str], args, kwargs, key=None):
         if requested is None and not candidates:
             reasons = {"auto": ["NumPy inputs: name backend='spec' (the reference) or pass torch tensors"]}
         raise BackendUnavailable(op, f"{','.join(candidates)} ({source})" if requested else "auto", reasons)
+    entry = (impl, _values_checked(args, kwargs))
     with _cache_lock:
-        _cache[key] = impl
+        _cache[key] = entry
     log.debug("%s -> %s (%s; rejected: %s)", op, impl.backend, source if requested else "auto", reasons)
-    return impl
+    return entry
 
 
 def run(op: str, *args, backend: Optional[str] = None, **kwargs):
     """Run `op` on the chosen backend. See the module docstring for how the choice is made."""
     # The cache lookup is inlined: this path is every call's overhead.
-    key = (op, backend, _ENV_DATA.get(_ENV_KEY) if backend is None else None, call_signature(args, kwargs))
+    key = (op, backend, _ENV_DATA.get(_ENV_KEY) if backend is None else None, _ENV_DATA.get(_CHECK_KEY),
+           call_signature(args, kwargs))
     try:
-        impl = _cache.get(key)
+        entry = _cache.get(key)
     except TypeError:  # an unhashable backend= (a list): _select raises the TypeError naming it
-        impl = None
-    if impl is None:
-        impl = _select(op, backend, args, kwargs, key)
+        entry = None
+    if entry is None:
+        entry = _select(op, backend, args, kwargs, key)
+    impl, check_values = entry
+    if check_values:
+        _check_values(op, args, kwargs)
     return impl.fn(*args, **kwargs)
 
 
 def select(op: str, *args, backend: Optional[str] = None, **kwargs) -> str:
     """The name of the backend `run` would use for this call."""
-    return _select(op, backend, args, kwargs).backend
+    impl, check_values = _select(op, backend, args, kwargs)
+    if check_values:
+        _check_values(op, args, kwargs)
+    return impl.backend
 
 
 def explain(op: str, *args, backend: Optional[str] = None, print_table: bool = True, **kwargs) -> List[dict]:
     """Every backend's verdict on this call: chosen, accepted, or rejected with its reasons."""
     _check_op(op)
     _backends.load()
+    _settings.check_all()
     _validate_args(op, args, kwargs)
+    if _values_checked(args, kwargs):
+        _check_values(op, args, kwargs)
     requested, source = _request(op, backend)
     device = _device_kind(args, kwargs)
     order = requested if requested is not None else PRIORITY[device]

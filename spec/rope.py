@@ -37,7 +37,10 @@ Choices SEMANTICS.md leaves open (each tested in tests/test_rope.py)
   between CPUs and GPUs. Pass-through features are byte copies when out_dtype is x's dtype; when it is
   not they are widened to fp32 exactly and rounded once to out_dtype, NaN made canonical as above.
 - The validators read the values of cu_seqlens, positions and start_positions (monotonicity, table
-  range), so a CUDA caller pays one small device-to-host copy in validation.
+  range), so a CUDA caller pays one small device-to-host copy in validation. What shapes alone decide
+  (the table length when no index tensor is given, an odd local length with cp_size > 1) is checked
+  without reading values, so `dispatch` checks it for every call; the value checks run there on CPU
+  calls, and on CUDA under MXMLA_CHECK_VALUES=1 (dispatch's docstring).
 """
 from __future__ import annotations
 
@@ -125,6 +128,30 @@ def _require_int(name: str, value: Any, lo: int, hi: Optional[int] = None) -> in
     return value
 
 
+def _check_table_length_from_shapes(x_name, x, layout, cu_seqlens, positions, start_positions, cp_size,
+                                    cp_rank, n_rows) -> None:
+    """The table-length and cp checks that shapes alone decide: without cu_seqlens, positions and
+    start_positions every sequence has the length of x's sequence axis, so the largest position
+    needed is known without reading any index tensor (run under shape_checks_only too)."""
+    if positions is not None or start_positions is not None or (layout == "thd" and cu_seqlens is not None):
+        return
+    seq_len = int(x.shape[0] if layout in ("thd", "sbhd") else x.shape[1])
+    if seq_len == 0 or (layout != "thd" and 0 in (int(x.shape[0]), int(x.shape[1]))):
+        return
+    if cp_size > 1:
+        if seq_len % 2:
+            raise ValueError(f"{x_name}: sequence 0 has local length {seq_len}, expected a multiple of 2 "
+                             f"with cp_size={cp_size}")
+        # rank r holds global chunks r and 2*cp_size-1-r; the second ends at (2*cp_size-r)*chunk - 1
+        chunk = seq_len // 2
+        last = (2 * cp_size - cp_rank) * chunk - 1
+    else:
+        last = seq_len - 1
+    if last >= n_rows:
+        raise ValueError(f"cos: tables have {n_rows} rows but a token needs position {last} "
+                         f"(cos and sin need at least {last + 1} rows)")
+
+
 def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positions, start_positions,
                          cp_size, cp_rank, out_dtype) -> np.ndarray:
     """Validate every argument; return the int64 position of every token, shaped like x.shape[:-2]
@@ -188,6 +215,8 @@ def _check_and_positions(x_name, x, cos, sin, style, layout, cu_seqlens, positio
             if tuple(positions.shape) not in want:
                 raise ValueError(f"positions: expected shape [{seq_len}] or [{n_seqs_static}, {seq_len}] "
                                  f"([S] or [B, S]), got shape {tuple(positions.shape)}")
+    _check_table_length_from_shapes(x_name, x, layout, cu_seqlens, positions, start_positions, cp_size,
+                                    cp_rank, n_rows)
     if not value_checks_enabled():
         return None
 

@@ -1,35 +1,32 @@
 """Capability checks and helpers shared by the Triton kernels."""
 from __future__ import annotations
 
-import os
 from typing import Any, List, Optional, Tuple
 
 import torch
 
 from spec.mxtensor import MXTensor
 
+from .. import settings
+
 
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.interpret_mode()
 
 
 def env_flag(name: str, default: bool) -> bool:
-    """A 0 / 1 switch from the environment (unset or empty: `default`). Any other value raises, naming
-    the variable: a typo such as `true` is never read as "off"."""
-    value = os.environ.get(name, "")
-    if value == "":
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"environment variable {name}={value!r}: expected 0 or 1")
-    return value == "1"
+    """A 0 / 1 switch, parsed by backends/settings.py (any other value raises, naming the variable)."""
+    return settings.flag(name, default)
 
 
 def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
-    """One of `choices` from the environment (unset or empty: `default`); anything else raises."""
-    value = os.environ.get(name, "") or default
-    if value not in choices:
-        raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(choices)}")
-    return value
+    """One of `choices`, parsed by backends/settings.py (anything else raises, naming the variable)."""
+    return settings.choice(name, choices, default)
+
+
+def autotune_enabled() -> bool:
+    """MXMLA_TRITON_AUTOTUNE: autotune per shape bucket (1, the default) or one fixed tile (0)."""
+    return settings.flag("MXMLA_TRITON_AUTOTUNE")
 
 
 def _tensors(args, kwargs):

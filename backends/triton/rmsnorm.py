@@ -35,7 +35,7 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import widen_f32
 from .quantize import _elem_meta, _encode, _scale_byte, _scale_multiplier, _use_hw_cvt
 
@@ -175,6 +175,9 @@ _rmsnorm_tuned = triton.autotune(
 # Used instead of autotuning in the interpreter, and while `forced_config` is active (tests run
 # several tiles this way, on the GPU too).
 _INTERPRET_CONFIG = {"BLOCK_D": 64, "SPLIT": 2, "num_warps": 4}
+# With MXMLA_TRITON_AUTOTUNE=0 on the GPU: the one tile _prune keeps for every D (64 columns, one
+# program per band).
+_FIXED_CONFIG = {"BLOCK_D": 64, "SPLIT": 1, "num_warps": 4}
 _forced_config: Optional[dict] = None
 
 
@@ -222,8 +225,8 @@ def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
                 max(n_rows - 1, 1).bit_length())
         meta = dict(ZERO_CENTERED=bool(zero_centered_gamma), HW_CVT=_use_hw_cvt(device), **_elem_meta(elem))
         bands = n_rows // BLOCK_SIZE
-        if interpret_mode() or _forced_config is not None:
-            cfg = dict(_forced_config or _INTERPRET_CONFIG)
+        if interpret_mode() or _forced_config is not None or not autotune_enabled():
+            cfg = dict(_forced_config or (_INTERPRET_CONFIG if interpret_mode() else _FIXED_CONFIG))
             _rmsnorm_mxfp8_kernel[(bands, cfg["SPLIT"])](*args, **meta, **cfg, enable_fp_fusion=False)
         else:
             grid = lambda m: (bands, m["SPLIT"])  # noqa: E731

@@ -35,7 +35,7 @@ import triton.language as tl
 from spec.constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan, widen_f32
 
 _TORCH_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -260,7 +260,8 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _fixed_config(n_heads: int, block_keep: int, block_half: int):
-    """Interpreter (and fallback) tile: all heads of a token, several tokens when rows are tiny."""
+    """The tile used instead of autotuning (interpreter, MXMLA_TRITON_AUTOTUNE=0): all heads of a token,
+    several tokens when rows are tiny."""
     block_h = min(triton.next_power_of_2(n_heads), 32)
     row = block_keep + 2 * block_half
     block_t = 1
@@ -340,7 +341,7 @@ def _launch(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, 
         IN_PAIRED=in_paired, OUT_PAIRED=out_paired, TAB_PAIRED=style == "interleaved", BACKWARD=backward,
         CONVERT_KEEP=x.dtype != dtype,
     )
-    if interpret_mode():
+    if interpret_mode() or not autotune_enabled():
         cfg = _fixed_config(n_heads, block_keep, block_half)
         grid = (triton.cdiv(n_tokens, cfg["BLOCK_T"]),)
         _rope_kernel[grid](*args, **meta, **cfg, enable_fp_fusion=False)

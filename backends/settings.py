@@ -1,0 +1,106 @@
+"""Every environment switch of mxmla, parsed here and nowhere else.
+
+Each switch has one parser: a 0 / 1 flag, or one word of a fixed list. Unset or empty means the
+default; any other value raises `ValueError` naming the variable and the accepted values (a typo such
+as `MXMLA_TRITON_AUTOTUNE=yes` is never read as "off"). Values are read from the environment each time
+a reader asks, so a change takes effect on the next call that reads it.
+
+`check_all()` parses every switch at once. The dispatcher calls it whenever it selects a backend
+(the first call of each call signature, and after `dispatch.clear_cache()`), so a bad value raises
+even when no kernel on this machine reads that switch (on CPU the Triton GPU paths never do).
+
+MXMLA_BACKEND has a grammar of its own (per-op backend lists); its parser is
+`dispatch.policy.parse_policy`, and it is listed here so that one table holds every switch. The table
+in docs/ARCHITECTURE.md ("Environment switches") is this module's `SWITCHES`, one row each.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+FLAG = ("0", "1")
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    values: Optional[Tuple[str, ...]]  # accepted words; None: a grammar parsed elsewhere
+    default: str
+    read_by: str
+    meaning: str
+
+
+SWITCHES: Dict[str, Switch] = {s.name: s for s in (
+    Switch("MXMLA_BACKEND", None, "auto", "dispatch (grammar: dispatch/policy.py)",
+           "which backend serves each op; docs/ARCHITECTURE.md, 'Selection grammar'"),
+    Switch("MXMLA_CHECK_VALUES", FLAG, "0", "dispatch",
+           "1: check index-tensor values (cu_seqlens, positions, start_positions) of CUDA calls too; each "
+           "check copies them to the host, a device synchronisation per call. CPU calls are always checked"),
+    Switch("MXMLA_TRITON_AUTOTUNE", FLAG, "1", "triton: gemm, mla_q, attention, quantize, rmsnorm, rope",
+           "1: autotune tiles per shape bucket; 0: one fixed tile per kernel (no timing runs)"),
+    Switch("MXMLA_TRITON_FP8_MMA", FLAG, "0", "triton: _mxfp8.fp8_mma_widened (gemm, mla_q)",
+           "1: MXFP8 block dots on the fp8 MMA (faster on sm90, narrower accumulator than fp32); "
+           "0: codes widened to fp16 first"),
+    Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: quantize._use_hw_cvt (quantize, rmsnorm)",
+           "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
+    Switch("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto",
+           "triton: gemm.gemm_variant", "forces one sm89/sm90 route of mxfp8_gemm"),
+    Switch("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "gluon_ws", "gluon_ws128", "tma", "pointer"), "auto",
+           "triton: mla_q.forward_variant", "forces one kernel of the fused mla_q forward"),
+)}
+
+# Not mxmla's own: Triton reads it (1 / true / on, any case, as Triton's getenv_bool does); mxmla's
+# capability checks read it the same way to know that kernels run on the CPU.
+TRITON_INTERPRET = "TRITON_INTERPRET"
+_TRUE_WORDS = ("1", "true", "on")
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, "")
+
+
+def choice(name: str, choices: Optional[Tuple[str, ...]] = None, default: Optional[str] = None) -> str:
+    """The switch's word (unset or empty: its default). `choices` / `default` narrow or stand in for the
+    table's (for a switch a module declares on its own); any other value raises naming the variable."""
+    sw = SWITCHES.get(name)
+    allowed = choices if choices is not None else (sw.values if sw else None)
+    if allowed is None:
+        raise KeyError(f"{name}: not a word-valued switch of backends/settings.py")
+    value = _raw(name) or (default if default is not None else sw.default)
+    if value not in allowed:
+        raise ValueError(f"environment variable {name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+def flag(name: str, default: Optional[bool] = None) -> bool:
+    """A 0 / 1 switch (unset or empty: `default`, else the table's default); anything else raises."""
+    value = _raw(name)
+    if value == "":
+        if default is not None:
+            return default
+        return SWITCHES[name].default == "1"
+    if value not in FLAG:
+        raise ValueError(f"environment variable {name}={value!r}: expected 0 or 1")
+    return value == "1"
+
+
+def interpret_mode() -> bool:
+    """Triton's interpreter is on (kernels run on the CPU, in NumPy)."""
+    return os.environ.get(TRITON_INTERPRET, "").lower() in _TRUE_WORDS
+
+
+def check_all() -> None:
+    """Parse every word- and flag-valued switch; the first bad one raises, naming the variable."""
+    for sw in SWITCHES.values():
+        if sw.values is not None:
+            choice(sw.name)
+
+
+def markdown_table() -> str:
+    """The table docs/ARCHITECTURE.md carries (tests compare them)."""
+    rows = ["| variable | values | default | read by | meaning |", "|---|---|---|---|---|"]
+    for sw in SWITCHES.values():
+        values = " \\| ".join(f"`{v}`" for v in sw.values) if sw.values else "grammar"
+        rows.append(f"| `{sw.name}` | {values} | `{sw.default}` | {sw.read_by} | {sw.meaning} |")
+    return "\n".join(rows)
