@@ -1,0 +1,289 @@
+"""Tensor parallelism over heads: DTensor sharding rules for the mxmla custom ops.
+
+With these rules registered (on import, through `torch.distributed.tensor.experimental.register_sharding`),
+the `dispatch.autograd` wrappers take DTensors: each custom op runs once per rank on the local shards,
+and DTensor wraps the outputs with the placements below. Attention heads are independent, so a
+TorchTitan-style plan (q_b_proj / kv_b_proj colwise over heads, their inputs replicated, o_proj
+rowwise) runs the fused Q op, RoPE, the quantizers and attention on each rank's heads with no
+communication; in the backward, the fused op's rule marks dx as Partial (each rank's heads' share of
+x's gradient) and DTensor all-reduces it where x is replicated. docs/PARALLEL.md has the plan.
+
+What DTensor sees: every MXFP8 operand crosses a custom op as separate tensors (the gradient proxy,
+the uint8 codes, the scale bytes; dispatch/autograd.py's slots) plus a format string. Codes, compact
+scales and proxy all keep the operand's axes (the scales' blocked axis divided by 32), so one
+placement fits all three: Shard(head axis) shards each along its head axis. Swizzled scales mix every
+axis into a padded 2-D matrix, so an operand with swizzled scales only has the all-Replicate rule.
+
+Rules, per op (besides all-Replicate, always accepted):
+- mla_q_uproj_rope_quant: x (and x_t) Replicate, w (and w_n) Shard(0) over its N = H*192 rows,
+  cos/sin Replicate -> every output Shard(1) (heads of [T, H, 192], of q_row's [T, H, 6] scales and
+  q_col's [T/32, H, 192] scales). H must divide by the mesh size (N by 192 * mesh size).
+- mla_q_uproj_rope_quant_backward: dq Shard(1), x Replicate, w Shard(0) -> dx Partial(sum), dw Shard(0).
+- rope, rope_backward: x Shard(head axis = ndim-2), tables and index tensors Replicate -> Shard(head).
+- mxfp8_dequantize: Shard(d) for any d but the blocked axis -> Shard(d).
+- mla_attention, mla_attention_backward: q, k, v, o, do Shard(head axis), lse Shard(its H axis) ->
+  outputs alike; or all of them Shard(batch axis) (bshd, sbhd).
+- rmsnorm_mxfp8: all-Replicate only (its column copy is blocked along T).
+
+Not covered by a rule: `mxfp8_quantize`. Its op returns a list whose length is 1 + 2 * len(axes),
+and register_sharding derives the number of outputs from the schema's returns (one Tensor[] slot),
+so a rule cannot give the list's tensors their placements (DTensor raises "output_specs has 1 output
+which does not equal the number of op outputs"). `mxfp8_quantize` here is the narrowest alternative:
+the same op under `local_map` (each rank quantizes its local shard; the outputs keep the input's
+placement), rejecting a placement that would cut a 32-element block between ranks.
+
+Cache note: DTensor caches a rule's result per op, keyed on the tensor arguments' specs and, as
+register_sharding derives the key, on non-tensor arguments only from the first int argument on; a
+string argument (a format, a layout) would not be in the key, and a call differing only there would
+reuse a stale rule. `_register` therefore widens the key to every argument (the propagator's
+RuntimeSchemaInfo.static_argnum = 0; a private field, checked when this module is imported).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.experimental import local_map, register_sharding
+
+import dispatch.autograd as mxag
+from dispatch.autograd import TrackedMXTensor
+from spec.constants import BLOCK_SIZE
+
+from .operands import FP8_DTYPES
+
+__all__ = ["mxfp8_quantize", "ReplicateParameters", "RULES"]
+
+_OPS = torch.ops.mxmla
+R = Replicate()
+
+
+def _register(op):
+    """register_sharding(op), then every argument of op in DTensor's rule cache key (module docstring)."""
+    def wrap(fn):
+        register_sharding(op)(fn)
+        infos = getattr(DTensor._op_dispatcher.sharding_propagator, "op_to_schema_info", None)
+        if infos is None or op not in infos or not hasattr(infos[op], "static_argnum"):
+            raise RuntimeError(f"{op}: this torch's DTensor keeps no RuntimeSchemaInfo per op, so the rule cache "
+                               f"key cannot include string arguments; dispatch.parallel.tensor needs it")
+        infos[op].static_argnum = 0
+        return fn
+    return wrap
+
+
+def _rank(spec) -> int:
+    return len(spec.tensor_meta.shape)
+
+
+def _present(args: Sequence[Any], placement) -> List[Any]:
+    """placement for each tensor argument (a DTensorSpec), None for the rest."""
+    return [placement if _is_tensor(a) else None for a in args]
+
+
+def _is_tensor(a) -> bool:
+    return hasattr(a, "placements") and hasattr(a, "tensor_meta")
+
+
+def _replicated(n_out: int, args: Sequence[Any]):
+    return ([R] * n_out, _present(args, R))
+
+
+# --------------------------------------------------------------------------------------------------
+# fused Q path
+# --------------------------------------------------------------------------------------------------
+
+@_register(_OPS.mla_q_uproj_rope_quant.default)
+def _mla_q_rule(x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, x_t_codes, x_t_scales,
+                x_t_format, w_n_codes, w_n_scales, w_n_format, quantize_grad, backend):
+    args = (x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, x_t_codes, x_t_scales,
+            x_t_format, w_n_codes, w_n_scales, w_n_format, quantize_grad, backend)
+    rules = [_replicated(5, args)]
+    if "swizzled" in (w_format, w_n_format):  # padded 2-D tiles: rows of the matrix are not rows of w
+        return rules
+    w_slots = {4, 5, 6, 13, 14}  # w (value, codes, scales) and its N-blocked copy w_n (codes, scales)
+    placements = [(Shard(0) if i in w_slots else R) if _is_tensor(a) else None for i, a in enumerate(args)]
+    rules.append(([Shard(1)] * 5, placements))
+    return rules
+
+
+@_register(_OPS.mla_q_uproj_rope_quant_backward.default)
+def _mla_q_backward_rule(dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
+                         quantize_grad, backend):
+    args = (dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin, quantize_grad, backend)
+    if w_format.startswith("e") and "swizzled" in w_format:
+        return [_replicated(2, args)]
+    heads = [Shard(1)] + [(Shard(0) if 5 <= i <= 7 else R) if _is_tensor(a) else None
+                          for i, a in enumerate(args[1:], start=1)]
+    return [_replicated(2, args), ([Partial(), Shard(0)], heads)]
+
+
+# --------------------------------------------------------------------------------------------------
+# RoPE
+# --------------------------------------------------------------------------------------------------
+
+def _rope_rules(x, args):
+    head = _rank(x) - 2
+    placements = [Shard(head)] + _present(args[1:], R)
+    return [_replicated(1, args), ([Shard(head)], placements)]
+
+
+@_register(_OPS.rope.default)
+def _rope_rule(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank, out_dtype,
+               backend):
+    return _rope_rules(x, (x, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank,
+                           out_dtype, backend))
+
+
+@_register(_OPS.rope_backward.default)
+def _rope_backward_rule(grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size, cp_rank,
+                        out_dtype, backend):
+    return _rope_rules(grad, (grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size,
+                              cp_rank, out_dtype, backend))
+
+
+# --------------------------------------------------------------------------------------------------
+# MXFP8 dequantize
+# --------------------------------------------------------------------------------------------------
+
+def _blocked_axis(codes, scales) -> Optional[int]:
+    """The axis compact scales divide by 32 (None for swizzled, 2-D padded, scales)."""
+    data, scale = tuple(codes.tensor_meta.shape), tuple(scales.tensor_meta.shape)
+    if len(scale) != len(data):
+        return None
+    diff = [i for i, (d, s) in enumerate(zip(data, scale)) if d != s]
+    return diff[0] if len(diff) == 1 else None
+
+
+@_register(_OPS.mxfp8_dequantize.default)
+def _dequantize_rule(value, codes, scales, fmt, out_dtype, backend):
+    args = (value, codes, scales, fmt, out_dtype, backend)
+    rules = [_replicated(1, args)]
+    blocked = _blocked_axis(codes, scales)
+    if blocked is not None:
+        for d in range(_rank(codes)):
+            if d != blocked:
+                rules.append(([Shard(d)], _present(args, Shard(d))))
+    return rules
+
+
+@_register(_OPS.rmsnorm_mxfp8.default)
+def _rmsnorm_rule(x, gamma, eps, zero_centered_gamma, elem, backend):
+    return [_replicated(6, (x, gamma, eps, zero_centered_gamma, elem, backend))]
+
+
+# --------------------------------------------------------------------------------------------------
+# attention
+# --------------------------------------------------------------------------------------------------
+
+def _attention_operands_swizzled(scales: Sequence[Any]) -> bool:
+    return any(_is_tensor(s) and _rank(s) == 2 for s in scales)
+
+
+def _attention_rules(n_out: int, args: Sequence[Any], lse_index: Optional[int], q_like, scales):
+    """Head (and batch) sharding for the attention ops; q_like: any 4-D or 3-D operand spec."""
+    rules = [_replicated(n_out, args)]
+    if _attention_operands_swizzled(scales):
+        return rules
+    ndim = _rank(q_like)
+    cu = {len(args) - 3, len(args) - 2}  # cu_seqlens_q, cu_seqlens_kv: index tensors, replicated
+    splits = [(ndim - 2, 1 if ndim == 4 else 0)]  # (operand head axis, lse head axis)
+    if ndim == 4:
+        layout_batch = 0 if args[len(args) - 4] == "bshd" else 1  # bshd [B,S,..], sbhd [S,B,..]
+        splits.append((layout_batch, 0))
+    for axis, lse_axis in splits:
+        placements = []
+        for i, a in enumerate(args):
+            if not _is_tensor(a):
+                placements.append(None)
+            elif i in cu:
+                placements.append(R)
+            else:
+                placements.append(Shard(lse_axis) if i == lse_index else Shard(axis))
+        outs = [Shard(axis)] * n_out if lse_index is not None else [Shard(axis), Shard(lse_axis)]
+        rules.append((outs, placements))
+    return rules
+
+
+@_register(_OPS.mla_attention.default)
+def _attention_rule(q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales,
+                    v_format, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend):
+    args = (q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales, v_format,
+            causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend)
+    q_like = q if _is_tensor(q) else q_codes
+    return _attention_rules(2, args, None, q_like, (q_scales, k_scales, v_scales))
+
+
+@_register(_OPS.mla_attention_backward.default)
+def _attention_backward_rule(do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
+                             v_scales, v_format, o, lse, causal, softmax_scale, layout, cu_seqlens_q,
+                             cu_seqlens_kv, backend):
+    args = (do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes, v_scales, v_format,
+            o, lse, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv, backend)
+    return _attention_rules(3, args, 14, do, (q_scales, k_scales, v_scales))
+
+
+RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "rope_backward",
+         "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention", "mla_attention_backward")
+
+
+# --------------------------------------------------------------------------------------------------
+# mxfp8_quantize under DTensor (local_map: see the module docstring)
+# --------------------------------------------------------------------------------------------------
+
+def mxfp8_quantize(x, axis: Union[int, Sequence[int]] = -1, elem: str = "e4m3", scale_mode: str = "rceil",
+                   nonfinite: str = "saturate", scale_layout: str = "compact", backend: Optional[str] = None):
+    """`dispatch.autograd.mxfp8_quantize` for a DTensor x (a plain tensor goes straight there): each
+    rank quantizes its local shard, and codes, scales and proxy come back as DTensors with x's
+    placements. A blocked axis may be sharded only into whole 32-element blocks per shard (e.g. a
+    colwise weight's N = H * 192 rows, blocked along N for the backward); scales must be compact."""
+    if not isinstance(x, DTensor):
+        return mxag.mxfp8_quantize(x, axis, elem, scale_mode, nonfinite, scale_layout, backend)
+    as_tuple = isinstance(axis, (tuple, list))
+    axes = [int(a) % x.ndim for a in (axis if as_tuple else [axis])]
+    if scale_layout != "compact":
+        raise ValueError(f"scale_layout: a DTensor is quantized per local shard with compact scales, got "
+                         f"{scale_layout!r}")
+    for mesh_dim, p in enumerate(x.placements):
+        if isinstance(p, Partial):
+            raise ValueError(f"x: a Partial DTensor has no values to quantize (redistribute it first), got "
+                             f"placements {x.placements}")
+        if isinstance(p, Shard) and p.dim % x.ndim in axes:
+            # a blocked axis may be sharded where every shard is whole blocks (then the local blocks are
+            # the global ones); torch.chunk's shards are equal when the length divides by the mesh size
+            n, parts = x.shape[p.dim % x.ndim], x.device_mesh.size(mesh_dim)
+            if n % (parts * BLOCK_SIZE):
+                raise ValueError(f"x: sharded {parts} ways along blocked axis {p.dim % x.ndim} of length {n}; "
+                                 f"each shard must be whole {BLOCK_SIZE}-element blocks (length a multiple of "
+                                 f"{parts * BLOCK_SIZE}); placements {x.placements}")
+    placements = tuple(x.placements)
+    n_out = 1 + 2 * len(axes)
+
+    def _local(t):
+        return list(_OPS.mxfp8_quantize(t, axes, elem, scale_mode, nonfinite, scale_layout, backend))
+
+    out = local_map(_local, out_placements=tuple([placements] * n_out), in_placements=(placements,),
+                    device_mesh=x.device_mesh)(x)
+    proxy = out[0]
+    tensors = tuple(TrackedMXTensor(out[1 + 2 * i].view(FP8_DTYPES[elem]), out[2 + 2 * i], a, elem, "compact",
+                                    proxy) for i, a in enumerate(axes))
+    return tensors if as_tuple else tensors[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# a plan entry for modules whose parameters every rank holds whole
+# --------------------------------------------------------------------------------------------------
+
+class ReplicateParameters(ParallelStyle):
+    """Plan entry: the module's own parameters become Replicate DTensors (its inputs and outputs are
+    left alone). Inside a tensor-parallel attention every activation is a DTensor, and an op mixing
+    DTensors with plain tensors is an error, so the replicated pieces (RMSNorm weights, the latent
+    down-projections) need this where the plan shards their neighbours."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
+                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        return module
