@@ -124,3 +124,20 @@ def test_rmsnorm_fixed_tile(monkeypatch):
     monkeypatch.setattr(mod, "_rmsnorm_tuned", _NoAutotune())
     mod.rmsnorm_mxfp8(torch.randn(32, 64), torch.randn(64))
     assert rec.calls[0]["BLOCK_D"] == mod._FIXED_CONFIG["BLOCK_D"]
+
+
+def test_quantize_and_dequantize_fixed_tile(monkeypatch):
+    from backends.triton import quantize as mod
+
+    _gpu_path(monkeypatch, mod)
+    monkeypatch.setattr(mod, "_use_hw_cvt", lambda device: False)
+    monkeypatch.setattr(mod, "_register_cap", lambda tile: None)
+    for kernel, tuned in (("_quantize_heuristic", "_quantize_tuned"), ("_dequantize_heuristic", "_dequantize_tuned")):
+        monkeypatch.setattr(mod, kernel, _Recorder())
+        monkeypatch.setattr(mod, tuned, _NoAutotune())
+    x = torch.randn(32, 64)
+    t = mod.mxfp8_quantize(x)
+    mod.mxfp8_dequantize(t)
+    for kernel in ("_quantize_heuristic", "_dequantize_heuristic"):
+        call = getattr(mod, kernel).calls[0]
+        assert (call["BM"], call["BN"], call["num_warps"]) == mod._INTERPRET_CONFIG

@@ -63,7 +63,7 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import env_flag, interpret_mode, triton_reasons
+from ._common import autotune_enabled, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from .swizzle import empty_output, swizzle_offset
 
@@ -444,7 +444,8 @@ _quantize_tuned = triton.autotune(
     do_bench=_tune_bench,
 )(_quantize_heuristic)
 
-# (BM, BN, num_warps) used instead of autotuning: always in the interpreter, and while `forced_config`
+# (BM, BN, num_warps) used instead of autotuning: in the interpreter and with MXMLA_TRITON_AUTOTUNE=0
+# (the first tile of the list, the one calls under 4M elements always run), and while `forced_config`
 # is active (tests run every config on the GPU this way).
 _INTERPRET_CONFIG = (32, 64, 1)
 _forced_config: Optional[Tuple[int, int, int]] = None
@@ -459,6 +460,13 @@ def forced_config(bm: int, bn: int, num_warps: int):
         yield
     finally:
         _forced_config = prev
+
+
+def _fixed_tile() -> Optional[Tuple[int, int, int]]:
+    """The tile to launch instead of autotuning, or None to autotune."""
+    if _forced_config is not None:
+        return _forced_config
+    return _INTERPRET_CONFIG if interpret_mode() or not autotune_enabled() else None
 
 
 def _register_cap(tile: Tuple[int, int, int]) -> Optional[int]:
@@ -521,7 +529,7 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
     def grid(meta):
         return (p * triton.cdiv(grid_m, meta["BM"]) * triton.cdiv(grid_n, meta["BN"]),)
 
-    forced = _INTERPRET_CONFIG if interpret_mode() and _forced_config is None else _forced_config
+    forced = _fixed_tile()
     if forced is not None:
         bm, bn, warps = forced
         _quantize_heuristic[grid({"BM": bm, "BN": bn})](
@@ -809,7 +817,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
     def grid(meta):
         return (p * triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
 
-    forced = _INTERPRET_CONFIG if interpret_mode() and _forced_config is None else _forced_config
+    forced = _fixed_tile()
     if forced is not None:
         bm, bn, warps = forced
         _dequantize_heuristic[grid({"BM": bm, "BN": bn})](
