@@ -1,0 +1,311 @@
+"""The DeepSeek-V3 MLA attention block (examples/mla_block.py: hidden 7168, 128 heads, q_lora 1536,
+kv_lora 512, head dims 128 + 64 / 128), forward + backward, on every path a user would pick:
+
+  mxfp8    every mxmla op on its MXFP8 path (rmsnorm_mxfp8, the fused Q up-projection + RoPE + quantize
+           with the MXFP8 backward, MXFP8 k / v, mla_attention on MXFP8 inputs), through dispatch
+  bf16     the same block in bf16 through mxmla (bf16 GEMM, rope, mla_attention)
+  torch    pure torch bf16: matmuls, RoPE in torch, F.scaled_dot_product_attention (its fastest backend)
+  compile  torch.compile of the pure-torch block
+
+    python benchmarks/bench_block.py [--quick] [--shapes B1S4096,B2S4096,B1S16384] [--paths ...] [--json PATH]
+    python benchmarks/bench_block.py --smoke          # tiny config on CPU (torch backend), seconds
+
+A step is forward + backward of the block with its input already on the GPU (h [B*S, 7168] bf16 with
+requires_grad, a fixed random output gradient), the weights' gradients set to None before each step
+and every weight's version counter bumped after it (what an optimizer step does: a per-step weight
+cache must re-quantize). Per shape and path:
+- step ms: median of CUDA-event step times, the paths taking turns (--rounds rounds of --steps steps
+  each, after warm-up), so clock drift weighs on all paths alike; fwd / bwd ms likewise, from events
+  around the forward;
+- activation GiB: memory allocated at the end of the forward minus before it (what the backward keeps);
+  peak GiB: the step's peak allocation minus the memory before it (activations + gradients + workspace);
+- a GPU-time table of the step's kernels (torch.profiler, one profiled step after the timed ones);
+- first step: the first step's wall time in a fresh process with empty Triton / Inductor caches, and
+  again in a second process sharing those caches (--first-step; a child process per path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+import benchlib  # noqa: E402
+
+PATHS = ("mxfp8", "bf16", "torch", "compile")
+DEFAULT_SHAPES = ("B1S4096", "B2S4096", "B1S16384")
+
+
+def parse_shape(text: str):
+    t = text.strip().upper()
+    try:
+        b, s = t[1:].split("S")
+        if not t.startswith("B"):
+            raise ValueError
+        b, s = int(b), int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: expected entries like B1S4096, got {text!r}") from None
+    if b <= 0 or s <= 0 or s % 128:
+        raise argparse.ArgumentTypeError(f"--shapes: B and S positive, S a multiple of 128, got {text!r}")
+    return b, s
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="B1 S4096 only, fewer steps")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (torch backend)")
+    ap.add_argument("--shapes", default=None, help=f"comma list (default {','.join(DEFAULT_SHAPES)})")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma list of {', '.join(PATHS)}")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per path per round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in which the paths take turns")
+    ap.add_argument("--first-step", action="store_true", help="also time the first step in fresh processes")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
+    ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
+    benchlib.add_common_args(ap, tokens_axis=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one first step, JSON to stdout
+    args = ap.parse_args(argv)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in PATHS]
+    if bad or not paths:
+        ap.error(f"--paths: expected names from {', '.join(PATHS)}, got {args.paths!r}")
+    if args.no_compile and "compile" in paths:
+        paths.remove("compile")
+    args.paths = paths
+    if args.shapes:
+        args.shape_list = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
+    elif args.smoke:
+        args.shape_list = [(2, 128)]
+    elif args.quick:
+        args.shape_list = [parse_shape("B1S4096")]
+    else:
+        args.shape_list = [parse_shape(s) for s in DEFAULT_SHAPES]
+    if args.smoke:
+        args.steps, args.rounds = 1, 1
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+
+import torch  # noqa: E402
+
+import examples.mla_block as mb  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GIB = float(1 << 30)
+
+
+def block_config(b: int, s: int, smoke: bool):
+    base = mb.CONFIGS["small" if smoke else "deepseek"]
+    return mb.replace(base, batch=b, seq=s)
+
+
+class Bench:
+    """One path's block, inputs and step function."""
+
+    def __init__(self, cfg, path: str, backend=None, seed: int = 0):
+        block_path = "torch" if path == "compile" else path
+        self.block = mb.MLABlock(cfg, block_path, quantize_grad=True, backend=backend).reset_parameters(seed).to(DEVICE)
+        self.forward = torch.compile(self.block) if path == "compile" else self.block
+        gen = torch.Generator().manual_seed(seed + 7)
+        self.h = (torch.randn(cfg.tokens, cfg.hidden, generator=gen)).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
+        self.dout = (torch.randn(cfg.tokens, cfg.hidden, generator=gen) * 1e-3).to(torch.bfloat16).to(DEVICE)
+        self.cos, self.sin = mb.rope_tables(cfg, DEVICE)
+        self.params = list(self.block.parameters())
+        self.bump = getattr(torch.autograd.graph, "increment_version", None)
+
+    def step(self, events=None):
+        for p in self.params:
+            p.grad = None
+        self.h.grad = None
+        if events:
+            events[0].record()
+        out = self.forward(self.h, self.cos, self.sin)
+        if events:
+            events[1].record()
+        out.backward(self.dout)
+        if events:
+            events[2].record()
+        if self.bump is not None:  # an optimizer step would change every weight: per-step caches refresh
+            for p in self.params:
+                self.bump(p)
+        return out
+
+    def memory(self):
+        """(activation GiB, peak GiB) of one step: see the module docstring."""
+        if DEVICE != "cuda":
+            return None, None
+        for p in self.params:
+            p.grad = None
+        self.h.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = self.forward(self.h, self.cos, self.sin)
+        torch.cuda.synchronize()
+        act = torch.cuda.memory_allocated() - base
+        out.backward(self.dout)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return act / GIB, peak / GIB
+
+
+def timed_steps(bench: Bench, n: int):
+    """[(step ms, fwd ms, bwd ms)] of n steps (CUDA events; wall clock on CPU)."""
+    out = []
+    for _ in range(n):
+        if DEVICE == "cuda":
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            bench.step(ev)
+            torch.cuda.synchronize()
+            out.append((ev[0].elapsed_time(ev[2]), ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
+        else:
+            t0 = time.perf_counter()
+            bench.step()
+            out.append(((time.perf_counter() - t0) * 1e3, None, None))
+    return out
+
+
+def kernel_table(bench: Bench, top: int = 14):
+    """[(kernel name, GPU ms per step, share)] from torch.profiler over one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        bench.step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0)
+        if DEVICE != "cuda":
+            t = ev.self_cpu_time_total
+        if t > 0:
+            rows.append((ev.key, t / 1e3))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(t for _, t in rows) or 1.0
+    return [(name, ms, ms / total) for name, ms in rows[:top]], total
+
+
+def child_first_step(args) -> None:
+    """One first step of one path in this (fresh) process: JSON {"first_step_s", "build_s"} on stdout."""
+    (b, s), path = args.shape_list[0], args.paths[0]
+    t0 = time.perf_counter()
+    bench = Bench(block_config(b, s, args.smoke), path, args.backend)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    bench.step()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    print("FIRST_STEP " + json.dumps({"first_step_s": t2 - t1, "build_s": t1 - t0}), flush=True)
+
+
+def first_steps(shape, path, backend, smoke) -> dict:
+    """First-step seconds in a fresh process (empty Triton and Inductor caches) and a second one."""
+    b, s = shape
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="mxmla_first_step_") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                   MXMLA_TRITON_CACHE_DIR=os.path.join(cache, "mxmla"))
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--shapes", f"B{b}S{s}", "--paths", path]
+        if smoke:
+            cmd.append("--smoke")
+        if backend:
+            cmd += ["--backend", backend]
+        for key in ("fresh", "second"):
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            wall = time.perf_counter() - t0
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_STEP ")]
+            if proc.returncode or not line:
+                out[key] = None
+                out[f"{key}_error"] = (proc.stderr or proc.stdout)[-400:]
+                continue
+            rec = json.loads(line[-1][len("FIRST_STEP "):])
+            out[key] = rec["first_step_s"]
+            out[f"{key}_process_s"] = wall
+    return out
+
+
+def measure(rec: benchlib.Recorder, args) -> None:
+    for b, s in args.shape_list:
+        cfg = block_config(b, s, args.smoke)
+        label = f"B{b} S{s}"
+        benches = {}
+        for path in args.paths:
+            try:
+                benches[path] = Bench(cfg, path, args.backend)
+                t0 = time.perf_counter()
+                for _ in range(1 if args.smoke else 3):  # warm-up: compile, autotune, graph caches
+                    benches[path].step()
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                rec.note(f"{label} {path}: warm-up {time.perf_counter() - t0:.1f} s")
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other paths
+                rec.note(f"{label} {path}: failed ({type(exc).__name__}: {str(exc)[:300]})")
+                benches.pop(path, None)
+        times = {p: [] for p in benches}
+        for _ in range(args.rounds):
+            for path, bench in benches.items():
+                times[path] += timed_steps(bench, args.steps)
+        med = {p: [statistics.median(v[i] for v in ts) if ts[0][i] is not None else None for i in range(3)]
+               for p, ts in times.items()}
+        ref = med.get("torch", [None])[0]
+        bf16 = med.get("bf16", [None])[0]
+        for path, bench in benches.items():
+            act, peak = bench.memory()
+            row = dict(op="mla_block", shape=label, impl=path, path=path, tokens=cfg.tokens, ms=med[path][0],
+                       step_ms=med[path][0], fwd_ms=med[path][1], bwd_ms=med[path][2],
+                       ratio=(med[path][0] / ref) if ref else None, vs="torch",
+                       vs_bf16=(med[path][0] / bf16) if bf16 else None, peak_act_gib=act, peak_gib=peak,
+                       family="DeepSeek-V3 MLA block fwd+bwd")
+            if args.first_step:
+                fs = first_steps((b, s), path, args.backend, args.smoke)
+                row.update(first_step_fresh_s=fs.get("fresh"), first_step_second_s=fs.get("second"))
+                for key in ("fresh_error", "second_error"):
+                    if fs.get(key):
+                        rec.note(f"{label} {path} first step ({key}): {fs[key]}")
+            rec.row(**row)
+            if not args.no_profile:
+                table, total = kernel_table(bench)
+                rec.note(f"{label} {path}: GPU time by kernel, one step ({total:.3f} ms of kernels)")
+                for name, ms, share in table:
+                    rec.note(f"    {ms:8.3f} ms {share * 100:5.1f} %  {name[:110]}")
+        del benches
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
+           ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
+           ("vs_bf16", "vs bf16", 8, ".3f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
+           ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f")]
+
+
+def main(args) -> None:
+    if args.child:
+        child_first_step(args)
+        return
+    if not args.smoke and DEVICE != "cuda":
+        raise SystemExit("bench_block: needs a CUDA device (use --smoke for the tiny CPU run)")
+    rec = benchlib.Recorder("block", args)
+    rec.note(f"device {benchlib.device_name()}; torch {torch.__version__}; paths {', '.join(args.paths)}")
+    rec.run(measure, rec, args)
+    rec.finish(COLUMNS)
+
+
+if __name__ == "__main__":
+    main(ARGS)
