@@ -71,7 +71,7 @@ class LatentAttention(nn.Module):
         w = self.q_b_proj.weight
         if self.mxfp8:  # MXFP8 x and w, with the copies blocked along T and N for the MXFP8 backward
             x_row, x_col, _ = mxag.rmsnorm_mxfp8(x_q, self.q_norm.weight)
-            w_row, w_col = mxfp8_quantize(w, axis=(1, 0))
+            w_row, w_col = mxag.mxfp8_quantize(w, axis=(1, 0))  # colwise: N sharded in whole blocks
             q_row, _ = mxag.mla_q_uproj_rope_quant(x_row, w_row, cos_tok, sin_tok, quantize_grad=True, x_t=x_col,
                                                    w_n=w_col)
         else:
@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
         k_rot = mxag.rope(k_pe, cos, sin, layout="bshd")  # [B, S, 1, 64], shared by every head
         k = torch.cat([k_nope, k_rot.expand(B, S, heads, 64)], dim=-1)
         if self.mxfp8:
-            k, v = mxfp8_quantize(k, axis=-1), mxfp8_quantize(v.contiguous(), axis=1)
+            k, v = mxag.mxfp8_quantize(k, axis=-1), mxag.mxfp8_quantize(v, axis=1)
         o, _ = mxag.mla_attention(q, k, v, causal=True)
         return o, q_row
 
@@ -235,9 +235,10 @@ def test_quantize_shards_a_blocked_axis_only_in_whole_blocks(ranks):
         assert message is not None and message.startswith("x: sharded 2 ways along blocked axis 0"), message
 
 
-def test_every_custom_op_but_quantize_has_a_rule():
-    """Every op of dispatch.autograd.OPS has a registered rule, except mxfp8_quantize (list output)."""
+def test_every_custom_op_has_a_rule():
+    """Every op of dispatch.autograd.OPS has a DTensor strategy: a register_sharding rule, except
+    mxfp8_quantize (list output), whose strategy is registered with the propagator directly."""
     assert set(mxag.OPS) - set(RULES) == {"mxfp8_quantize"}
     props = DTensor._op_dispatcher.sharding_propagator
-    for name in RULES:
+    for name in mxag.OPS:
         assert getattr(torch.ops.mxmla, name).default in props.op_strategy_funcs, name

@@ -24,13 +24,17 @@ Rules, per op (besides all-Replicate, always accepted):
 - mla_attention, mla_attention_backward: q, k, v, o, do Shard(head axis), lse Shard(its H axis) ->
   outputs alike; or all of them Shard(batch axis) (bshd, sbhd).
 - rmsnorm_mxfp8: all-Replicate only (its column copy is blocked along T).
+- mxfp8_quantize: x Shard(d) -> proxy, codes and compact scales Shard(d), for d not blocked, or
+  blocked and splitting into whole 32-element blocks per rank (a colwise weight's N = H * 192 rows,
+  quantized along N for the backward).
 
-Not covered by a rule: `mxfp8_quantize`. Its op returns a list whose length is 1 + 2 * len(axes),
-and register_sharding derives the number of outputs from the schema's returns (one Tensor[] slot),
-so a rule cannot give the list's tensors their placements (DTensor raises "output_specs has 1 output
-which does not equal the number of op outputs"). `mxfp8_quantize` here is the narrowest alternative:
-the same op under `local_map` (each rank quantizes its local shard; the outputs keep the input's
-placement), rejecting a placement that would cut a 32-element block between ranks.
+mxfp8_quantize is the one op register_sharding cannot take: its op returns a list of 1 + 2 *
+len(axes) tensors, and register_sharding derives the number of outputs from the schema's returns
+(one Tensor[] slot), so DTensor rejects its rule ("output_specs has 1 output which does not equal the
+number of op outputs"). Its strategy goes to DTensor's sharding propagator directly
+(`register_op_strategy`, which register_sharding itself calls; private API, as is
+`expand_to_full_mesh_op_strategy` that expands it over the mesh). Without it the dispatch.autograd
+wrappers, and every model built on them, could not take DTensors at all.
 
 Cache note: DTensor caches a rule's result per op, keyed on the tensor arguments' specs and, as
 register_sharding derives the key, on non-tensor arguments only from the first int argument on; a
@@ -40,19 +44,20 @@ RuntimeSchemaInfo.static_argnum = 0; a private field, checked when this module i
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.experimental import local_map, register_sharding
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.experimental import register_sharding
 
 import dispatch.autograd as mxag
 from dispatch.autograd import TrackedMXTensor
 from spec.constants import BLOCK_SIZE
 
-from .operands import FP8_DTYPES
 
 __all__ = ["mxfp8_quantize", "ReplicateParameters", "RULES"]
 
@@ -229,46 +234,52 @@ RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "r
 
 
 # --------------------------------------------------------------------------------------------------
-# mxfp8_quantize under DTensor (local_map: see the module docstring)
+# mxfp8_quantize: a strategy through DTensor's propagator (its list output has no register_sharding rule)
 # --------------------------------------------------------------------------------------------------
+
+def _quantize_strategy(op_schema):
+    """All-Replicate, or Shard(d) in and Shard(d) on every output (proxy, codes, compact scales) for an
+    axis d that is not blocked, or is blocked and splits into whole 32-element blocks on every rank."""
+    mesh = op_schema.get_mesh_from_args()
+    x = op_schema.args_schema[0].strategies[0].output_spec
+    axes, scale_layout = op_schema.args_schema[1], op_schema.args_schema[5]
+    shape = tuple(x.tensor_meta.shape)
+    blocked = {int(a) % len(shape) for a in axes}
+    n_out = 1 + 2 * len(blocked)
+    rules = [[R] * (n_out + 1)]
+    if scale_layout == "compact":
+        ranks = mesh.size()  # whole blocks even if every mesh dimension shards this axis
+        for d in range(len(shape)):
+            if d not in blocked or shape[d] % (ranks * BLOCK_SIZE) == 0:
+                rules.append([Shard(d)] * (n_out + 1))
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=n_out)
+
+
+def _register_quantize_strategy() -> None:
+    op = _OPS.mxfp8_quantize.default
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # static_argnum 1: axes, elem, ..., scale_layout are all in the rule cache key
+    propagator.register_op_strategy(op, _quantize_strategy, RuntimeSchemaInfo(static_argnum=1, needs_pytree=True))
+
+
+_register_quantize_strategy()
+
 
 def mxfp8_quantize(x, axis: Union[int, Sequence[int]] = -1, elem: str = "e4m3", scale_mode: str = "rceil",
                    nonfinite: str = "saturate", scale_layout: str = "compact", backend: Optional[str] = None):
-    """`dispatch.autograd.mxfp8_quantize` for a DTensor x (a plain tensor goes straight there): each
-    rank quantizes its local shard, and codes, scales and proxy come back as DTensors with x's
-    placements. A blocked axis may be sharded only into whole 32-element blocks per shard (e.g. a
-    colwise weight's N = H * 192 rows, blocked along N for the backward); scales must be compact."""
-    if not isinstance(x, DTensor):
-        return mxag.mxfp8_quantize(x, axis, elem, scale_mode, nonfinite, scale_layout, backend)
-    as_tuple = isinstance(axis, (tuple, list))
-    axes = [int(a) % x.ndim for a in (axis if as_tuple else [axis])]
-    if scale_layout != "compact":
-        raise ValueError(f"scale_layout: a DTensor is quantized per local shard with compact scales, got "
-                         f"{scale_layout!r}")
-    for mesh_dim, p in enumerate(x.placements):
-        if isinstance(p, Partial):
-            raise ValueError(f"x: a Partial DTensor has no values to quantize (redistribute it first), got "
-                             f"placements {x.placements}")
-        if isinstance(p, Shard) and p.dim % x.ndim in axes:
-            # a blocked axis may be sharded where every shard is whole blocks (then the local blocks are
-            # the global ones); torch.chunk's shards are equal when the length divides by the mesh size
-            n, parts = x.shape[p.dim % x.ndim], x.device_mesh.size(mesh_dim)
-            if n % (parts * BLOCK_SIZE):
-                raise ValueError(f"x: sharded {parts} ways along blocked axis {p.dim % x.ndim} of length {n}; "
-                                 f"each shard must be whole {BLOCK_SIZE}-element blocks (length a multiple of "
-                                 f"{parts * BLOCK_SIZE}); placements {x.placements}")
-    placements = tuple(x.placements)
-    n_out = 1 + 2 * len(axes)
-
-    def _local(t):
-        return list(_OPS.mxfp8_quantize(t, axes, elem, scale_mode, nonfinite, scale_layout, backend))
-
-    out = local_map(_local, out_placements=tuple([placements] * n_out), in_placements=(placements,),
-                    device_mesh=x.device_mesh)(x)
-    proxy = out[0]
-    tensors = tuple(TrackedMXTensor(out[1 + 2 * i].view(FP8_DTYPES[elem]), out[2 + 2 * i], a, elem, "compact",
-                                    proxy) for i, a in enumerate(axes))
-    return tensors if as_tuple else tensors[0]
+    """`dispatch.autograd.mxfp8_quantize`, with a check for DTensors first: a blocked axis sharded into
+    pieces that are not whole 32-element blocks raises (DTensor would otherwise gather x whole to
+    quantize it, a silent all-gather). Plain tensors and every other placement go straight through."""
+    if isinstance(x, DTensor):
+        axes = [int(a) % x.ndim for a in (axis if isinstance(axis, (tuple, list)) else [axis])]
+        for mesh_dim, p in enumerate(x.placements):
+            if isinstance(p, Shard) and p.dim % x.ndim in axes:
+                n, parts = x.shape[p.dim % x.ndim], x.device_mesh.size()
+                if n % (parts * BLOCK_SIZE):
+                    raise ValueError(f"x: sharded {parts} ways along blocked axis {p.dim % x.ndim} of length {n}; "
+                                     f"each shard must be whole {BLOCK_SIZE}-element blocks (length a multiple of "
+                                     f"{parts * BLOCK_SIZE}); placements {x.placements}")
+    return mxag.mxfp8_quantize(x, axis, elem, scale_mode, nonfinite, scale_layout, backend)
 
 
 # --------------------------------------------------------------------------------------------------
