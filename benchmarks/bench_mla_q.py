@@ -101,6 +101,42 @@ def main():
                 benchlib.TFLOPS, ("ratio", "vs gemm", 8, ".3f"), benchlib.OF_ROOF, ("same", "same", 8, ".6f")])
 
 
+def measure_mx_backward(T, K, H, x, w, xm, wm, cos, sin, flops, common):
+    """The MXFP8 backward (quantize_grad=True) against the two bf16 GEMMs of the same shapes, in turns,
+    for the operand forms the block passes: bf16 x / w, and the forward's columnwise MXFP8 copies (w's
+    row-major, and K-major as a per-step weight cache keeps it); then the pre-pass alone against a copy
+    of dq (bytes: dq read, the two bf16 dequantized tensors written)."""
+    dq = torch.randn(T, H, D, device=DEVICE).to(torch.bfloat16)
+    dq2 = dq.view(T, -1)
+    x_t = triton_quantize_axis0(x)
+    w_n = triton_quantize_axis0(w)
+    w_n_kmajor = type(w_n)(w_n.data.t().contiguous().t(), w_n.scale.t().contiguous().t(), 0, "e4m3", "compact")
+    gemms = lambda: (torch.matmul(dq2, w), torch.matmul(dq2.t(), x))  # noqa: E731
+    forms = {"bf16 x, w": (x, w), "MXFP8 x_t, w_n": (x_t, w_n), "MXFP8 x_t, K-major w_n": (x_t, w_n_kmajor)}
+    for name, (xa, wa) in forms.items():
+        fn = lambda xa=xa, wa=wa: triton_mla_q.mla_q_backward_launch(dq, xa, wa, cos, sin, True)  # noqa: E731
+        secs = first_call_s(fn)
+        pair = benchlib.interleaved_ms({"gemms": gemms, "bwd": fn})
+        REC.row(op="bwd-mx", impl=f"triton MXFP8 backward, {name} (first call {secs:.2f} s; in turns with the "
+                f"two GEMMs: {pair['gemms']:.4f} ms)", ms=pair["bwd"], tflops=2 * flops / pair["bwd"] / 1e9,
+                ratio=pair["bwd"] / pair["gemms"], vs="2 bf16 GEMMs", flops=2 * flops, **common)
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    prep = lambda: triton_mla_q._prep_launch(dq2, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag)  # noqa: E731
+    out = torch.empty_like(dq2)
+    times = benchlib.interleaved_ms({"copy": lambda: out.copy_(dq2), "prep": prep})
+    nbytes = dq2.numel() * 6
+    REC.row(op="bwd-prep", impl="RoPE backward + both quantizations, dequantized bf16 out", ms=times["prep"],
+            tbps=nbytes / times["prep"] / 1e9, ratio=(nbytes / times["prep"]) / (4 * dq2.numel() / times["copy"]),
+            vs="copy bandwidth", bytes=nbytes, **common)
+    del dq, dq2, x_t, w_n, w_n_kmajor, out
+
+
+def triton_quantize_axis0(t):
+    from backends.triton import quantize as triton_quantize
+
+    return triton_quantize.mxfp8_quantize(t, axis=0)
+
+
 def measure(tokens, K, H):
     REC.load_peaks()
     for T in tokens:
@@ -191,6 +227,15 @@ def measure(tokens, K, H):
         if ARGS.mx or ARGS.smoke:
             xm, wm, _, _ = make_inputs(T, K, H, mx=True)
             mx_bytes = fwd_bytes - (T * K + N * K) + (T * K + N * K) // 32  # 1-byte codes + scales in
+            mx_default = triton_mla_q.forward_variant(xm, wm)
+            fn = lambda: triton_mla_q.mla_q_forward_launch(xm, wm, cos, sin, variant=mx_default)  # noqa: E731
+            secs = first_call_s(fn)
+            REC.note(f"triton fwd MXFP8 [{mx_default}] {shape}: first call {secs:.2f} s")
+            pair = benchlib.interleaved_ms({"gemm": lambda: torch.matmul(x, w.t()), "fused": fn})
+            REC.row(op="fwd-mx", impl=f"triton fused MXFP8 [{mx_default}] (in turns with the GEMM: "
+                    f"{pair['gemm']:.4f} ms)", ms=pair["fused"], tflops=flops / pair["fused"] / 1e9,
+                    ratio=pair["fused"] / pair["gemm"], vs=VS, flops=flops, bytes=mx_bytes, **common)
+            measure_mx_backward(T, K, H, x, w, xm, wm, cos, sin, flops, common)
             for variant in ("tma", "pointer"):
                 if variant == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
                     continue
