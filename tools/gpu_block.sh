@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The MXFP8 training path on one GPU in one call: the CUDA tests of the ops the block runs, then
+# bench_mla_q --mx (op level, in turns with cuBLAS) and bench_block (the block, in turns), a table last.
+#   tools/gpu_block.sh [phases...]   phases: test mla_q block first (default: test mla_q block)
+# Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP (seconds each, SIGINT at the cap).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+COMMIT=${MXMLA_COMMIT:-unknown}
+echo "commit $COMMIT  date $(date -u +%F)  $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader)"
+summary=()
+for phase in ${*:-test mla_q block}; do
+  start=$SECONDS
+  case $phase in
+  test)
+    export OMP_NUM_THREADS=2
+    timeout -s INT "${TEST_CAP:-180}" python3 -m pytest tests/conformance/test_mla_q_triton_routes.py \
+      tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
+      tests/conformance/test_gemm_triton.py tests/test_autograd_cuda.py -k "cuda" -n 8 -q -p no:cacheprovider -rfE \
+      > "$OUT/tests_$COMMIT.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR)" "$OUT/tests_$COMMIT.log" | head -20
+    summary+=("tests rc=$rc $((SECONDS-start)) s: $(tail -1 "$OUT/tests_$COMMIT.log")")
+    ;;
+  mla_q)
+    timeout -s INT "${MLAQ_CAP:-150}" python3 benchmarks/bench_mla_q.py --quick --mx --no-compile \
+      --json "$OUT/mla_q_$COMMIT.json" > "$OUT/mla_q_$COMMIT.log" 2>&1
+    summary+=("bench_mla_q rc=$? $((SECONDS-start)) s")
+    grep -E "^(fwd-mx|bwd-mx|bwd-prep|fwd ).*(in turns|prep)" "$OUT/mla_q_$COMMIT.log" | cut -c1-200
+    ;;
+  block)
+    timeout -s INT "${BLOCK_CAP:-240}" python3 benchmarks/bench_block.py ${BLOCK_ARGS:---quick} \
+      --json "$OUT/block_$COMMIT.json" > "$OUT/block_$COMMIT.log" 2>&1
+    summary+=("bench_block rc=$? $((SECONDS-start)) s")
+    ;;
+  first)
+    timeout -s INT "${FIRST_CAP:-300}" python3 benchmarks/bench_block.py --quick --first-step --no-profile \
+      --steps 1 --rounds 1 ${FIRST_ARGS:-} --json "$OUT/first_$COMMIT.json" > "$OUT/first_$COMMIT.log" 2>&1
+    summary+=("first steps rc=$? $((SECONDS-start)) s")
+    tail -8 "$OUT/first_$COMMIT.log"
+    ;;
+  esac
+done
+[ -f "$OUT/block_$COMMIT.log" ] && grep -E "GPU time by kernel|^ +[0-9.]+ ms" "$OUT/block_$COMMIT.log" | head -80
+[ -f "$OUT/block_$COMMIT.log" ] && tail -8 "$OUT/block_$COMMIT.log"
+printf '%s\n' "${summary[@]}"
