@@ -42,7 +42,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_TRITON_FP8_MMA", FLAG, "0", "triton: _mxfp8.fp8_mma_widened (gemm, mla_q)",
            "1: MXFP8 block dots on the fp8 MMA (faster on sm90, narrower accumulator than fp32); "
            "0: codes widened to fp16 first"),
-    Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: quantize._use_hw_cvt (quantize, rmsnorm)",
+    Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
     Switch("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto",
            "triton: gemm.gemm_variant", "forces one sm89/sm90 route of mxfp8_gemm"),

@@ -118,7 +118,7 @@ def test_rmsnorm_fixed_tile(monkeypatch):
     from backends.triton import rmsnorm as mod
 
     _gpu_path(monkeypatch, mod)
-    monkeypatch.setattr(mod, "_use_hw_cvt", lambda device: False)
+    monkeypatch.setattr(mod, "use_hw_cvt", lambda device: False)
     rec = _Recorder()
     monkeypatch.setattr(mod, "_rmsnorm_mxfp8_kernel", rec)
     monkeypatch.setattr(mod, "_rmsnorm_tuned", _NoAutotune())
@@ -130,7 +130,7 @@ def test_quantize_and_dequantize_fixed_tile(monkeypatch):
     from backends.triton import quantize as mod
 
     _gpu_path(monkeypatch, mod)
-    monkeypatch.setattr(mod, "_use_hw_cvt", lambda device: False)
+    monkeypatch.setattr(mod, "use_hw_cvt", lambda device: False)
     monkeypatch.setattr(mod, "_register_cap", lambda tile: None)
     for kernel, tuned in (("_quantize_heuristic", "_quantize_tuned"), ("_dequantize_heuristic", "_dequantize_tuned")):
         monkeypatch.setattr(mod, kernel, _Recorder())

@@ -51,20 +51,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-import struct
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from spec.constants import BLOCK_SIZE, ELEM_FORMATS, SCALE_MODES, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.constants import BLOCK_SIZE, SCALE_MODES, SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import autotune_enabled, env_flag, interpret_mode, triton_reasons
+from ._common import autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32
+from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
+                        encode, scale_byte, scale_multiplier, use_hw_cvt)
 from .swizzle import empty_output, swizzle_offset
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -72,39 +73,6 @@ _SCALE_MODE_CODE = {name: i for i, name in enumerate(SCALE_MODES)}  # rceil 0, f
 assert _SCALE_MODE_CODE == {"rceil": 0, "floor": 1, "ceil": 2, "even": 3}
 _X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
-F32_INF_BITS = tl.constexpr(0x7F800000)
-F32_MANT_MASK = tl.constexpr(0x007FFFFF)
-F32_QNAN_BITS = tl.constexpr(0x7FC00000)
-HALF_SUBNORMAL_MANT = tl.constexpr(0x00400000)  # fp32 bits of 2^-127
-NAN_CODE = tl.constexpr(0x7F)
-
-
-def _f32_bits(v: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", v))[0]
-
-
-def _elem_meta(elem: str) -> Dict[str, int]:
-    """Constexpr constants of one element format (all integers: fp32 constants travel as bits)."""
-    fmt = ELEM_FORMATS[elem]
-    ebias = (1 << (7 - fmt.mbits)) // 2 - 1  # e4m3: 7, e5m2: 15
-    shift = 23 - fmt.mbits
-    # Subnormal codes are RN(|y| / 2^(1 - ebias - mbits)): adding 2^(1 - ebias - mbits + 23) rounds |y|
-    # to that grid in one fp32 add (ties to even), and the integer difference of the bits is the code.
-    sub_magic = 2.0 ** (1 - ebias - fmt.mbits + 23)
-    return dict(
-        IS_E5M2=elem == "e5m2",
-        INV_MAX_BITS=fmt.inv_max_bits,
-        MAX_BITS=_f32_bits(fmt.max),
-        EMAX=fmt.emax,
-        MBITS=fmt.mbits,
-        CODE_SHIFT=shift,
-        ROUND_HALF=(1 << (shift - 1)) - 1,
-        EXP_REBIAS=(127 - ebias) << fmt.mbits,
-        MIN_NORMAL_BITS=_f32_bits(2.0 ** (1 - ebias)),
-        SUB_MAGIC_BITS=_f32_bits(sub_magic),
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,80 +98,6 @@ def _block_amax(x3, AXIS: tl.constexpr):
     from +0. NaN lanes are replaced by 0 before the max, so nothing depends on how max treats NaN
     operands (NumPy's fmax, used by the interpreter, returns NaN for signaling NaNs)."""
     return tl.max(tl.where(x3 != x3, 0.0, tl.abs(x3)), axis=AXIS)
-
-
-@triton.jit
-def _scale_byte(amax, nonfinite, INV_MAX_BITS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
-                SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr):
-    """E8M0 byte (int32 lanes) of blocks with NaN-free amax >= 0 (SEMANTICS 1.1-1.3)."""
-    amax_bits = amax.to(tl.int32, bitcast=True)
-    if SCALE_MODE == 0:  # rceil: p = RN_f32(amax * R), then the exponent-bit rule on p
-        r = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-        p = (amax * r).to(tl.int32, bitcast=True)
-        biased = (p >> 23) & 0xFF
-        mant = p & F32_MANT_MASK
-        e = biased + (mant > 0).to(tl.int32)
-        e = tl.where(biased >= 254, 254, e)  # p >= 2^127 or p = +Inf (amax = Inf): 254
-        e = tl.where((biased == 0) & (mant <= HALF_SUBNORMAL_MANT), 0, e)  # p <= 2^-127
-    else:
-        bits = amax_bits
-        if SCALE_MODE == 3:  # even: round amax's mantissa to MBITS first; a carry bumps the exponent
-            bits = (bits + (1 << (22 - MBITS))) & (-(1 << (23 - MBITS)))
-        e = ((bits >> 23) & 0x1FF) - EMAX
-        if SCALE_MODE == 2:  # ceil
-            e = e + ((bits & F32_MANT_MASK) != 0).to(tl.int32)
-        e = tl.maximum(e, 0)
-        e = tl.where(amax_bits == F32_INF_BITS, 254, e)  # an Inf block saturates (1.2, 1.3)
-    if NAN_BLOCK:
-        e = tl.where(nonfinite, 255, e)
-    return e
-
-
-@triton.jit
-def _scale_multiplier(e, NAN_BLOCK: tl.constexpr):
-    """fp32 s_inv = exact 2^(127 - e): e = 254 -> the subnormal 2^-127, e = 255 -> NaN (SEMANTICS 1.4)."""
-    bits = tl.where(e <= 253, (254 - e) << 23, HALF_SUBNORMAL_MANT)
-    if NAN_BLOCK:
-        bits = tl.where(e == 255, F32_QNAN_BITS, bits)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _encode_bits(y, MAX_BITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr,
-                 EXP_REBIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr):
-    """fp8 codes (int32 lanes) of fp32 y on integer bits: RN-even with saturation to +-max (Inf -> max),
-    NaN -> 0x7F, signed zeros and subnormal codes kept (SEMANTICS 1.4)."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80  # arithmetic shift: the sign lands in bit 7
-    mag = bits & F32_ABS_MASK
-    is_nan = mag > F32_INF_BITS
-    mag = tl.minimum(mag, MAX_BITS)  # saturate: integer order of |y| bits is the float order
-    # normal codes: drop 23 - mbits mantissa bits rounding to nearest even (a carry bumps the exponent,
-    # as RN does), then rebias the exponent from 127 to the format's bias
-    normal = ((mag + ROUND_HALF + ((mag >> CODE_SHIFT) & 1)) >> CODE_SHIFT) - EXP_REBIAS
-    # subnormal codes: one fp32 add of 2^k rounds |y| to the subnormal grid (ties to even)
-    magic = tl.full(y.shape, SUB_MAGIC_BITS, tl.int32).to(tl.float32, bitcast=True)
-    sub = (mag.to(tl.float32, bitcast=True) + magic).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
-    code = tl.where(mag < MIN_NORMAL_BITS, sub, normal) | sign
-    return tl.where(is_nan, NAN_CODE, code)
-
-
-@triton.jit
-def _encode(y, IS_E5M2: tl.constexpr, MAX_BITS: tl.constexpr, CODE_SHIFT: tl.constexpr,
-            ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr,
-            SUB_MAGIC_BITS: tl.constexpr, HW_CVT: tl.constexpr):
-    """uint8 fp8 codes of fp32 y (module docstring: hardware cvt on sm90+, integer bits otherwise)."""
-    if HW_CVT:
-        lim = tl.full(y.shape, MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-        clamped = tl.minimum(tl.maximum(y, -lim), lim)  # maxnum/minnum: NaN lanes become +-max here
-        if IS_E5M2:
-            code = clamped.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        else:
-            code = clamped.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        return tl.where(y != y, NAN_CODE, code).to(tl.uint8)
-    else:
-        code = _encode_bits(y, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
-        return code.to(tl.uint8)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,8 +140,8 @@ def _emit(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS:
         e = tl.where(p <= HALF_SUBNORMAL_MANT, 0, (p + F32_MANT_MASK) >> 23)
         s_inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
     else:
-        e = _scale_byte(amax, nonfinite, INV_MAX_BITS, EMAX, MBITS, SCALE_MODE, NAN_BLOCK)
-        s_inv = _scale_multiplier(e, NAN_BLOCK)
+        e = scale_byte(amax, nonfinite, INV_MAX_BITS, EMAX, MBITS, SCALE_MODE, NAN_BLOCK)
+        s_inv = scale_multiplier(e, NAN_BLOCK)
     y = tl.reshape(x3 * tl.expand_dims(s_inv, AXIS), [BM, BN])
     if HW_CVT and FINITE:
         # finite y: cvt.rn.satfinite rounds to nearest even and saturates finite overflow to +-max,
@@ -257,7 +151,7 @@ def _emit(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS:
         else:
             codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     else:
-        codes = _encode(y, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+        codes = encode(y, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
                         SUB_MAGIC_BITS, HW_CVT)
     if MASKED:
         tl.store(code_ptr + offs, codes, mask=mask)
@@ -486,12 +380,6 @@ def _bucket(n: int) -> int:
     return min(max(int(n) - 1, 1).bit_length(), 20)
 
 
-def _use_hw_cvt(device: torch.device) -> bool:
-    if interpret_mode() or device.type != "cuda" or env_flag("MXMLA_TRITON_SOFT_FP8", False):
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _roundup(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -521,9 +409,9 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
         ROW_SWIZZLED=bool(row and row["swizzled"]), COL_SWIZZLED=bool(col and col["swizzled"]),
         ROW_SPLIT=bool(row and row["swizzled"] and row_last != n),
         SCALE_MODE=_SCALE_MODE_CODE[scale_mode], NAN_BLOCK=nonfinite == "nan_block",
-        HW_CVT=_use_hw_cvt(x3.device), INTERPRET=interpret_mode(),
+        HW_CVT=use_hw_cvt(x3.device), INTERPRET=interpret_mode(),
         IDX64=p * (grid_m + 128) * (grid_n + 128) >= 2**31,
-        **_elem_meta(elem),
+        **elem_meta(elem),
     )
 
     def grid(meta):
@@ -785,7 +673,7 @@ def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
         flag, lo, hi = guard if guard is not None else (data, 0, 255)
         _dequantize_bf16_flat_kernel[(triton.cdiv(n, block),)](
             data.view(torch.uint8), scale, out, n, flag, INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2",
-            HW_CVT=_use_hw_cvt(data.device), GUARD=guard is not None, GUARD_LO=int(lo),
+            HW_CVT=use_hw_cvt(data.device), GUARD=guard is not None, GUARD_LO=int(lo),
             GUARD_HI=int(hi))
     return out
 
@@ -811,7 +699,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
         out_ptr=out.view(torch.int16 if out_dtype == "bfloat16" else torch.int32),
         M=m, N=n, CP=t.swizzled_scale_shape[1] if swizzled else 4, M_BUCKET=_bucket(m), N_BUCKET=_bucket(n),
         ROW=t.axis == len(shape) - 1, SWIZZLED=swizzled, IS_E5M2=t.elem == "e5m2",
-        OUT_BF16=out_dtype == "bfloat16", HW_CVT=_use_hw_cvt(data.device), IDX64=p * (m + 128) * (n + 128) >= 2**31,
+        OUT_BF16=out_dtype == "bfloat16", HW_CVT=use_hw_cvt(data.device), IDX64=p * (m + 128) * (n + 128) >= 2**31,
     )
 
     def grid(meta):

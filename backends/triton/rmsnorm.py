@@ -37,7 +37,7 @@ from spec.mxtensor import MXTensor
 from ..registry import register
 from ._common import autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import widen_f32
-from .quantize import _elem_meta, _encode, _scale_byte, _scale_multiplier, _use_hw_cvt
+from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -60,16 +60,16 @@ def _quantize_tile(y, IS_E5M2: tl.constexpr, INV_MAX_BITS: tl.constexpr, MAX_BIT
     (row codes [32, BLOCK_D], row scales [32, BLOCK_D/32], col codes [32, BLOCK_D], col scales [BLOCK_D])."""
     y3 = tl.reshape(y, [32, BLOCK_D // 32, 32])
     amax = _amax(y3, 2)
-    e_row = _scale_byte(amax, amax, INV_MAX_BITS, EMAX, MBITS, 0, False)  # rceil; no nan_block flag
-    y_row = tl.reshape(y3 * _scale_multiplier(e_row, False)[:, :, None], [32, BLOCK_D])
-    row_codes = _encode(y_row, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+    e_row = scale_byte(amax, amax, INV_MAX_BITS, EMAX, MBITS, 0, False)  # rceil; no nan_block flag
+    y_row = tl.reshape(y3 * scale_multiplier(e_row, False)[:, :, None], [32, BLOCK_D])
+    row_codes = encode(y_row, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
                         SUB_MAGIC_BITS, HW_CVT)
 
     y3c = tl.reshape(y, [1, 32, BLOCK_D])
     amax_c = _amax(y3c, 1)
-    e_col = _scale_byte(amax_c, amax_c, INV_MAX_BITS, EMAX, MBITS, 0, False)  # [1, BLOCK_D]
-    y_col = tl.reshape(y3c * _scale_multiplier(e_col, False)[:, None, :], [32, BLOCK_D])
-    col_codes = _encode(y_col, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+    e_col = scale_byte(amax_c, amax_c, INV_MAX_BITS, EMAX, MBITS, 0, False)  # [1, BLOCK_D]
+    y_col = tl.reshape(y3c * scale_multiplier(e_col, False)[:, None, :], [32, BLOCK_D])
+    col_codes = encode(y_col, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
                         SUB_MAGIC_BITS, HW_CVT)
     return row_codes, e_row.to(tl.uint8), col_codes, tl.reshape(e_col, [BLOCK_D]).to(tl.uint8)
 
@@ -223,7 +223,7 @@ def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
         eps32 = float(np.float32(eps))
         args = (x, gamma, row_codes, row_scale, col_codes, col_scale, rstd, d, x.stride(0), inv_d, eps32,
                 max(n_rows - 1, 1).bit_length())
-        meta = dict(ZERO_CENTERED=bool(zero_centered_gamma), HW_CVT=_use_hw_cvt(device), **_elem_meta(elem))
+        meta = dict(ZERO_CENTERED=bool(zero_centered_gamma), HW_CVT=use_hw_cvt(device), **elem_meta(elem))
         bands = n_rows // BLOCK_SIZE
         if interpret_mode() or _forced_config is not None or not autotune_enabled():
             cfg = dict(_forced_config or (_INTERPRET_CONFIG if interpret_mode() else _FIXED_CONFIG))
