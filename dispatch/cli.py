@@ -247,8 +247,16 @@ LEGEND = (
 )
 
 
+def _column_order(target: str):
+    """CPU columns first, then CUDA; torch, triton, cudnn within each; the per-file column last."""
+    backend, _, device = target.partition("-")
+    known = backend in CHECK_BACKENDS and device in CHECK_DEVICES
+    return (not known, CHECK_DEVICES.index(device) if known else 0,
+            CHECK_BACKENDS.index(backend) if known else 0, target)
+
+
 def format_check_table(cells) -> str:
-    targets = sorted({t for _, t in cells}, key=lambda t: (t == NO_TARGET, t))
+    targets = sorted({t for _, t in cells}, key=_column_order)
     ops = [op for op in OPS if any(o == op for o, _ in cells)]
     ops += sorted({o for o, _ in cells} - set(ops))
     width = max([len(o) for o in ops] + [10])
