@@ -1,0 +1,48 @@
+"""tools/parallel_check.py --smoke on 1 (bf16 path) and 2 (both paths) gloo ranks: every check passes, the table prints, the JSON
+holds every rank's rows, and TP's forward has exactly one collective (o_proj's all-reduce; W=1: none)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.parallel_spawn import run_ranks  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("parallel_check", os.path.join(ROOT, "tools", "parallel_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(rank, world, out, paths):
+    return {"rc": _tool().main(["--smoke", "--steps", "1", "--warmup", "0", "--paths", paths, "--out", out])}
+
+
+@pytest.mark.parametrize("world, paths", [(1, "bf16"), (2, "mxfp8,bf16")])
+def test_smoke(tmp_path, capfd, world, paths):
+    out = str(tmp_path / "parallel.json")
+    results = run_ranks(_run, world, out, paths, timeout=150)
+    assert [r["rc"] for r in results] == [0] * world
+    printed = capfd.readouterr().out
+    assert f"parallel_check: {world} rank(s), gloo" in printed and "FAIL" not in printed
+    with open(out) as f:
+        record = json.load(f)
+    assert record["world"] == world and len(record["ranks"]) == world
+    for rows in record["ranks"]:
+        assert [(r["path"], r["mode"]) for r in rows] == [(p, m) for p in paths.split(",")
+                                                          for m in ("single", "TP", "CP")]
+        for row in rows:
+            assert row["step_ms"] > 0
+            if row["mode"] != "single":
+                assert row["ok"] and row["max_rel_err"] <= row["bound"], row
+            if row["mode"] == "TP":
+                want = {} if world == 1 else {"c10d_functional.all_reduce": 1}
+                assert row["fwd_collectives"] == want, row["fwd_collectives"]
