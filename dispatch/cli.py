@@ -289,7 +289,7 @@ def format_check_table(cells) -> str:
         lines += ["", "Skipped cells, by reason:"]
         for why, where in sorted(skipped.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             parts = []
-            for t in sorted({c for _, c in where}):
+            for t in sorted({c for _, c in where}, key=_column_order):
                 named = [o for o, c in where if c == t]
                 parts.append(f"{t}: all {len(named)} rows" if len(named) > 3 else f"{t}: {', '.join(named)}")
             lines.append(f"  {why} ({'; '.join(parts)})")
