@@ -242,7 +242,7 @@ LEGEND = (
     "pass N: N tests passed (+ K skip: K more skipped) | FAIL F/N: F of N failed (first failure below)",
     "skip: every test skipped (reason below) | -: no such test",
     "Columns: backend-device targets, each compared with spec (bytes where spec is bit-exact);",
-    f"'{NO_TARGET}': tests not run once per target (helpers, variant choice, kernels launched directly).",
+    f"'{NO_TARGET}': tests not run once per target (utilities, variant choice, kernels launched directly).",
     "Rows 'test_x.py: other': tests that skipped or failed before they called an op.",
 )
 
