@@ -64,6 +64,15 @@ def declare_backend(name: str, available: bool, version: str = "", reasons: Opti
         _backends[name] = BackendInfo(name, available, version, list(reasons or []))
 
 
+def wrap_backend(backend: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace every registered function of `backend` by `wrapper(fn)` (its checks are kept)."""
+    with _lock:
+        for impls in _impls.values():
+            impl = impls.get(backend)
+            if impl is not None:
+                impls[backend] = Implementation(impl.op, backend, wrapper(impl.fn), impl.check)
+
+
 def implementations(op: str) -> Dict[str, Implementation]:
     with _lock:
         return dict(_impls[op])

@@ -1,7 +1,9 @@
 """Capability checks and helpers shared by the Triton kernels."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import functools
+import threading
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -27,6 +29,24 @@ def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
 def autotune_enabled() -> bool:
     """MXMLA_TRITON_AUTOTUNE: autotune per shape bucket (1, the default) or one fixed tile (0)."""
     return settings.flag("MXMLA_TRITON_AUTOTUNE")
+
+
+# Triton's interpreter runs a launch with the grid index and the patched triton.language in module
+# globals (triton/runtime/interpreter.py), so concurrent interpreted launches interleave. Re-entrant:
+# an op may call another registered op (the MXFP8 backward quantizes its operands).
+INTERPRETER_LOCK = threading.RLock()
+
+
+def serialized(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, holding INTERPRETER_LOCK for the whole call."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    run.unserialized = fn
+    return run
 
 
 def _tensors(args, kwargs):
