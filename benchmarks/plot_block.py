@@ -27,14 +27,22 @@ NO_MATPLOTLIB = "plot_block: no plot drawn: matplotlib is not installed (pip ins
 
 
 def load_rows(path: Path) -> Tuple[List[dict], dict]:
-    """(rows, meta) of a bench_block JSON; ValueError naming the file and the first bad row otherwise."""
+    """(rows, meta) of a bench_block JSON, or of `mxmla bench`'s results.json (its block rows only);
+    ValueError naming the file and the first bad row otherwise."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
         raise ValueError(f"{path}: expected a JSON object with a 'rows' list (bench_block.py's output)")
-    for i, row in enumerate(data["rows"]):
+    rows = [r for r in data["rows"] if not isinstance(r, dict) or r.get("bench", "block") == "block"]
+    for i, row in enumerate(rows):
         if not isinstance(row, dict) or not isinstance(row.get("shape"), str) or not isinstance(row.get("path"), str):
             raise ValueError(f"{path}: rows[{i}]: expected an object with string 'shape' and 'path', got {row!r}")
-    return data["rows"], data.get("meta") or {}
+    meta = dict(data.get("meta") or {})
+    for key in ("device", "commit", "date"):  # the runner keeps these beside the rows, or in each row
+        if key not in meta and isinstance(data.get(key), str):
+            meta[key] = data[key]
+        if key not in meta and rows and isinstance(rows[0].get(key), str):
+            meta[key] = rows[0][key]
+    return rows, meta
 
 
 def _value(row: dict, key: str) -> Optional[float]:

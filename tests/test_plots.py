@@ -38,6 +38,17 @@ def test_table_keeps_first_seen_order_and_drops_missing_values(tmp_path):
     assert meta["commit"] == "0123abc"
 
 
+def test_rows_of_the_runners_results_json_are_the_block_rows(tmp_path):
+    results = tmp_path / "results.json"
+    block = json.loads(fake_block_json(tmp_path / "block.json").read_text())["rows"]
+    other = dict(bench="rope", op="rope", shape="[4096,128,192]", impl="triton", ms=0.1)
+    results.write_text(json.dumps({"commit": "0123abc", "device": "NVIDIA H200", "rows": [other] + [
+        dict(r, bench="block") for r in block]}))
+    rows, meta = plot_block.load_rows(results)
+    assert len(rows) == len(block) and {r["bench"] for r in rows} == {"block"}
+    assert meta == {"device": "NVIDIA H200", "commit": "0123abc"}
+
+
 def test_plot_block_writes_a_two_panel_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     src = fake_block_json(tmp_path / "block.json")
