@@ -35,11 +35,13 @@ autograd graph still in flight stays valid after the weight changes.
 
 torch.compile: inside a compiled region the cache (Python state keyed by `_version`) is not traced;
 the weight is quantized in the graph on every call through `mxag.mxfp8_quantize` (same values; w_col
-then has the untransposed layout). Under `torch.no_grad()` the cache works as in training and the
+then has the untransposed layout). A DTensor weight (tensor parallelism) is quantized the same way on
+every call, through the custom op's DTensor rule (dispatch.parallel.tensor). Under `torch.no_grad()` the cache works as in training and the
 returned tensors carry a proxy that records no graph.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Optional, Tuple
 
@@ -153,6 +155,11 @@ def _check_weight(w) -> None:
         raise ValueError(f"w: both dims must be multiples of 32 (MXFP8 blocks along N and K), got {tuple(w.shape)}")
 
 
+def _is_dtensor(w) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before it is imported
+    return dtensor is not None and isinstance(w, dtensor.DTensor)
+
+
 def _check_rows(rows, n: int) -> None:
     if not isinstance(rows, Tensor) or rows.dtype not in (torch.int32, torch.int64) or tuple(rows.shape) != (n,):
         what = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, Tensor) else type(rows).__name__
@@ -172,7 +179,9 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
     of w[rows] (e.g. dispatch.nn's neox-to-mla reordering of the RoPE features) and the gradient goes
     back to w's own rows. The cache keys on the rows tensor's identity, so keep one tensor per order."""
     _check_weight(w)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_dtensor(w):
+        # a DTensor (tensor parallelism) is quantized per call through the custom op, whose DTensor
+        # rule (dispatch.parallel.tensor) keeps w's placement; the cache keys on local storage
         src = w if rows is None else w.index_select(0, rows)
         return mxfp8_quantize(src.to(torch.bfloat16), backend=backend, **_QUANT)
     if cache:
