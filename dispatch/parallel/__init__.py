@@ -9,6 +9,7 @@ Tensor parallelism needs no call: importing this package registers the DTensor r
 (dispatch.parallel.tensor), so the dispatch.autograd wrappers take head-sharded DTensors.
 """
 from . import tensor  # registers the DTensor sharding rules of the mxmla custom ops
+from .plans import ContextParallelAttention, ReplicateInputs, ReplicateParameters, deepseek_v3_tp_plan
 from .ring import block_plan, context_parallel_attention
 from .sequence import chunk_indices, shard_positions, shard_sequence, unshard_sequence
 
@@ -20,4 +21,8 @@ __all__ = [
     "shard_positions",
     "chunk_indices",
     "tensor",
+    "ContextParallelAttention",
+    "ReplicateInputs",
+    "ReplicateParameters",
+    "deepseek_v3_tp_plan",
 ]

@@ -47,19 +47,16 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.experimental import register_sharding
 
 import dispatch.autograd as mxag
-from dispatch.autograd import TrackedMXTensor
 from spec.constants import BLOCK_SIZE
 
 
-__all__ = ["mxfp8_quantize", "ReplicateParameters", "RULES"]
+__all__ = ["mxfp8_quantize", "RULES"]
 
 _OPS = torch.ops.mxmla
 R = Replicate()
@@ -280,21 +277,3 @@ def mxfp8_quantize(x, axis: Union[int, Sequence[int]] = -1, elem: str = "e4m3", 
                                      f"each shard must be whole {BLOCK_SIZE}-element blocks (length a multiple of "
                                      f"{parts * BLOCK_SIZE}); placements {x.placements}")
     return mxag.mxfp8_quantize(x, axis, elem, scale_mode, nonfinite, scale_layout, backend)
-
-
-# --------------------------------------------------------------------------------------------------
-# a plan entry for modules whose parameters every rank holds whole
-# --------------------------------------------------------------------------------------------------
-
-class ReplicateParameters(ParallelStyle):
-    """Plan entry: the module's own parameters become Replicate DTensors (its inputs and outputs are
-    left alone). Inside a tensor-parallel attention every activation is a DTensor, and an op mixing
-    DTensors with plain tensors is an error, so the replicated pieces (RMSNorm weights, the latent
-    down-projections) need this where the plan shards their neighbours."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
-                module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
-        return module
