@@ -165,9 +165,11 @@ def _op_modules():
 
 def check_selection(args):
     """The -k expression for `mxmla check`'s filters; ConfigError naming the valid values for a bad one."""
+    # Test ids hold the target as "[torch-cpu-..." (the `target` fixture) or, in the files of one backend
+    # (test_<module>_triton.py, test_<module>_cudnn.py), the device alone as "[cpu-...".
     keys = []
-    for flag, given, valid, form in (("--backend", args.backend, CHECK_BACKENDS, "{}-"),
-                                     ("--device", args.device, CHECK_DEVICES, "-{}")):
+    for flag, given, valid, form in (("--backend", args.backend, CHECK_BACKENDS, "{0}- or _{0}"),
+                                     ("--device", args.device, CHECK_DEVICES, "-{0} or [{0}-")):
         if given is None:
             continue
         names = _comma_list(given)
