@@ -68,6 +68,7 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which the paths take turns")
     ap.add_argument("--first-step", action="store_true", help="also time the first step in fresh processes")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
+    ap.add_argument("--host-profile", action="store_true", help="also a host-time table by op per path")
     ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
     benchlib.add_common_args(ap, tokens_axis=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one first step, JSON to stdout
@@ -174,6 +175,42 @@ def timed_steps(bench: Bench, n: int):
     return out
 
 
+def host_ms(bench: Bench, n: int = 3) -> float:
+    """Median wall ms the host spends issuing one step (the GPU idle before it): above the step's GPU
+    time, the path is bound by its Python / launch overhead."""
+    out = []
+    for _ in range(n):
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bench.step()
+        out.append((time.perf_counter() - t0) * 1e3)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def host_table(bench: Bench, top: int = 18):
+    """[(function, own host ms, calls)] of one forward (cProfile: Python-level, where the host time of a
+    path's forward goes; the forward issues the most small launches)."""
+    import cProfile
+    import pstats
+
+    for p in bench.params:
+        p.grad = None
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    out = bench.forward(bench.h, bench.cos, bench.sin)
+    prof.disable()
+    del out
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{os.path.basename(f)}:{line} {name}", tt * 1e3, nc) for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
+
+
 def kernel_table(bench: Bench, top: int = 14):
     """[(kernel name, GPU ms per step, share)] from torch.profiler over one step."""
     from torch.profiler import ProfilerActivity, profile
@@ -267,10 +304,12 @@ def measure(rec: benchlib.Recorder, args) -> None:
         bf16 = med.get("bf16", [None])[0]
         for path, bench in benches.items():
             act, peak = bench.memory()
+            issue_ms = host_ms(bench)
             row = dict(op="mla_block", shape=label, impl=path, path=path, tokens=cfg.tokens, ms=med[path][0],
                        step_ms=med[path][0], fwd_ms=med[path][1], bwd_ms=med[path][2],
                        ratio=(med[path][0] / ref) if ref else None, vs="torch",
                        vs_bf16=(med[path][0] / bf16) if bf16 else None, peak_act_gib=act, peak_gib=peak,
+                       host_ms=issue_ms,
                        family="DeepSeek-V3 MLA block fwd+bwd")
             if args.first_step:
                 fs = first_steps((b, s), path, args.backend, args.smoke)
@@ -284,6 +323,10 @@ def measure(rec: benchlib.Recorder, args) -> None:
                 rec.note(f"{label} {path}: GPU time by kernel, one step ({total:.3f} ms of kernels)")
                 for name, ms, share in table:
                     rec.note(f"    {ms:8.3f} ms {share * 100:5.1f} %  {name[:110]}")
+            if args.host_profile:
+                rec.note(f"{label} {path}: host time of one forward by function (step issue {issue_ms:.2f} ms)")
+                for name, ms, count in host_table(bench):
+                    rec.note(f"    {ms:8.3f} ms x{count:<5d} {name[:100]}")
         del benches
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -291,7 +334,7 @@ def measure(rec: benchlib.Recorder, args) -> None:
 
 COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
            ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
-           ("vs_bf16", "vs bf16", 8, ".3f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
+           ("vs_bf16", "vs bf16", 8, ".3f"), ("host_ms", "host ms", 8, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
            ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f")]
 
 

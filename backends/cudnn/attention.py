@@ -220,6 +220,15 @@ def mx_route(q, k, v, causal, layout, backward: bool, extra=()) -> Tuple[Optiona
     return None, native + [f"dequantized route: {r}" for r in dequantized]
 
 
+def _native_mx(q, k, v, causal, layout, backward, extra=()) -> bool:
+    """mx_route(...)[0] == "native", with the capability read first: off sm100 the answer is no without
+    building every reason again (the op runs after dispatch checked; this is its per-call cost)."""
+    dev = _common.first_device((q, k, v))
+    if dev is None or _common.device_capability(dev)[0] != 10:
+        return False
+    return mx_route(q, k, v, causal, layout, backward, extra)[0] == "native"
+
+
 def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
     """bf16 RN(code * 2^(e-127)) of an MXTensor at copy speed (Triton's flat pass), or the torch backend's
     dequantize where Triton is absent."""
@@ -910,7 +919,7 @@ def mla_attention(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_s
     """spec.mla_attention on cuDNN: (o bf16 in q's layout, lse fp32 [B, H, S_q] or thd [H, T_q])."""
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
-        if mx_route(q, k, v, causal, layout, backward=False)[0] == "native":
+        if _native_mx(q, k, v, causal, layout, backward=False):
             return _forward_leading_masked(_mx_forward, q, k, v, causal, scale, layout)
         q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":
@@ -925,7 +934,7 @@ def mla_attention_backward(do, q, k, v, o, lse, causal=False, softmax_scale=None
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
         extra = (("o", o), ("do", do))
-        if mx_route(q, k, v, causal, layout, backward=True, extra=extra)[0] == "native":
+        if _native_mx(q, k, v, causal, layout, backward=True, extra=extra):
             return _backward_leading_masked(_mx_backward, do, q, k, v, o, lse, causal, scale, layout)
         q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":

@@ -816,14 +816,14 @@ def _grad_prep_kernel(
         ok2 = r_ok[:, None] & c_ok[None, :]
         if ROW_DQ:
             codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), HW_CVT)
-            dq_r = tl.reshape(decode_e4m3(codes, HW_CVT) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
+            dq_r = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
             bad |= tl.reshape(bf16_unsafe(codes, e[:, :, None], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
             bad |= ((dq_r.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
             tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
         if COL_DQ:
             NB2: tl.constexpr = BLOCK_R // 32
             codes, e = _quantize_cols(tl.reshape(v, [NB2, 32, WIDTH]), HW_CVT)
-            dq_c = tl.reshape(decode_e4m3(codes, HW_CVT) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
+            dq_c = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
             bad |= tl.reshape(bf16_unsafe(codes, e[:, None, :], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
             bad |= ((dq_c.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
             tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
