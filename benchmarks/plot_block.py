@@ -10,7 +10,7 @@ Reads the JSON that benchmarks/bench_block.py writes:
 
 and draws one PNG with two panels of grouped bars: step ms (forward + backward + optimizer) and peak
 activation GiB, one group per shape, one bar per path, in the order the rows first name them. A row
-missing a panel's value leaves that bar out. Needs matplotlib (the package's [plot] extra); without it
+missing a panel's value leaves that bar out (a panel with no values says so). Needs matplotlib (the package's [plot] extra); without it
 nothing is drawn and one line says so.
 """
 from __future__ import annotations
@@ -87,7 +87,10 @@ def plot(rows: List[dict], meta: dict, out: Path) -> Optional[Path]:
             xs = [i + (j - (len(paths) - 1) / 2) * width for i, s in enumerate(shapes) if (s, path) in values]
             ys = [values[(s, path)] for s in shapes if (s, path) in values]
             bars = ax.bar(xs, ys, width, label=path)
-            ax.bar_label(bars, fmt="%.3g", fontsize=7, padding=1)
+            ax.bar_label(bars, labels=[f"{v:.4g}" for v in ys], fontsize=7, padding=1)
+        if not values:  # e.g. a CPU run has no CUDA memory figures
+            ax.text(0.5, 0.5, f"no {key} in these rows", ha="center", va="center", transform=ax.transAxes)
+            ax.set_yticks([])
         ax.set_xticks(range(len(shapes)), shapes)
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
