@@ -8,7 +8,7 @@ Reads the JSON that benchmarks/bench_block.py writes:
                "peak_act_gib": 3.1, "first_step_fresh_s": ... | null, "first_step_second_s": ... | null}, ...],
      "meta": {...}}
 
-and draws one PNG with two panels of grouped bars: step ms (forward + backward + optimizer) and peak
+and draws one PNG with two panels of grouped bars: step ms (forward + backward) and peak
 activation GiB, one group per shape, one bar per path, in the order the rows first name them. A row
 missing a panel's value leaves that bar out (a panel with no values says so). Needs matplotlib (the package's [plot] extra); without it
 nothing is drawn and one line says so.
