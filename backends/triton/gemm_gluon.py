@@ -42,7 +42,7 @@ fp32 high halves by integer permutes instead of the pack ran slower too. Earlier
 record: ping-pong warpgroups on 128 x 128 tiles ran 0.50x (one warp per scheduler could not widen
 twice the codes per MAC in time); widening the next tile's first step before the epilogue, 4 % slower.
 
-Scope: sm90, Triton 3.6 (Gluon is experimental; mla_q_gluon.VERIFIED_TRITON), bf16 output, K % 32 == 0
+Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py), bf16 output, K % 32 == 0
 (MX blocks), b's codes K-contiguous with 16-byte aligned rows.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .mla_q_gluon import _tile_coords  # (a tile, b tile) in grouped order: GROUP_M a tiles per b tile
+from ._gluon_compat import async_load, async_store, tile_coords  # tile_coords: GROUP_M a tiles per b tile
 
 TILE_A = gl.constexpr(256)  # output tile: TILE_A rows of a (tokens) x TILE_B rows of b (features)
 TILE_B = gl.constexpr(128)
@@ -82,14 +82,14 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
     k_steps = gl.cdiv(K, BLOCK_K)
     c = 0
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         for kk in range(k_steps):
             s = c % STAGES
             # a fresh barrier counts as having completed the phase before its first: parity 1 passes
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * TILE_A, kk * BLOCK_K], ready.index(s), a_ring.index(s))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * TILE_B, kk * BLOCK_K], ready.index(s), b_ring.index(s))
+            async_load(a_desc, [pid_m * TILE_A, kk * BLOCK_K], ready.index(s), a_ring.index(s))
+            async_load(b_desc, [pid_n * TILE_B, kk * BLOCK_K], ready.index(s), b_ring.index(s))
             c += 1
 
 
@@ -176,7 +176,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
     amax = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, mma))
     c = 0  # ring slot counter (both warpgroups walk every slot)
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         rows = pid_n * TILE_B + CID * HALF + offs_r
         srow = _scale_row_ptrs(b_scale_ptr, rows, stride_sr, col_groups, SWIZZLED)
         sok = rows < N
@@ -239,7 +239,7 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, epi, out_desc, b_
         tma.store_wait(0)  # this warpgroup's previous tile has left its buffer
         epi.store(gl.permute(o, (1, 0)))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [pid_m * TILE_A, pid_n * TILE_B + CID * HALF], epi)
+        async_store(out_desc, [pid_m * TILE_A, pid_n * TILE_B + CID * HALF], epi)
     tma.store_wait(0)
     top = gl.reduce(amax, 0, _max_nan)
     raise_flag = (gl.max(bad, axis=0) != 0) | (top != top) | (top >= BF16_ROUNDS_TO_INF)

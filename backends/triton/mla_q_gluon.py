@@ -37,7 +37,7 @@ Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws128` 1.12x the cuBLAS GEMM 
 1.70-1.76x.
 
 Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
-sm90 (wgmma), Triton 3.6 (VERIFIED_TRITON). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
+sm90 (wgmma), Triton 3.6 or 3.9 (the API differences behind _gluon_compat.py). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
 with spec and with the other variants.
 """
 from __future__ import annotations
@@ -50,6 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._gluon_compat import SUPPORTED_TRITON as _SUPPORTED_TRITON
+from ._gluon_compat import async_load, async_store, barrier, reinterpret, tile_coords, version_reasons
 from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
 
 BLOCK_M = 64
@@ -90,16 +92,6 @@ def _codes(v, e_expanded):
 
 
 @gluon.jit
-def _tile_coords(tile, num_m, H, GROUP_M: gl.constexpr):
-    """(token tile, head) of a tile index in grouped order: GROUP_M token tiles per head run together
-    (the group's x tiles stay in L2 while the heads' w stream through)."""
-    per_group = GROUP_M * H
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
-
-
-@gluon.jit
 def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
               row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
               col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin):
@@ -113,7 +105,7 @@ def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_
     HEAD: gl.constexpr = 192
     nope_smem.store(acc_nope.to(gl.bfloat16))
     rope_smem.store(acc_rope.to(gl.bfloat16))
-    gl.thread_barrier()
+    barrier()
     _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
                      row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
                      col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin)
@@ -168,11 +160,11 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0 + feats[None, :], e.to(gl.uint8))
     # the no-RoPE codes leave now (two TMA boxes), under the RoPE work below
     fence_async_shared()
-    tma.async_copy_shared_to_global(row_nope_desc, [m0, n0], row_nope)
-    tma.async_copy_shared_to_global(col_nope_desc, [m0, n0], col_nope)
+    async_store(row_nope_desc, [m0, n0], row_nope)
+    async_store(col_nope_desc, [m0, n0], col_nope)
 
     # rope_f32 aliases nope_smem, whose last reader is the columnwise pass above
-    gl.thread_barrier()
+    barrier()
 
     # RoPE (mla): 8 threads per token row, 4 pairs each (pairs_l above)
     staged = gl.convert_layout(gl.reshape(rope_smem.load(pairs2d), [BM, HALF, 2]), pairs_l, assert_trivial=True)
@@ -190,7 +182,7 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     gl.store(rs_ptrs + 4, e_l.to(gl.uint8))
     gl.store(rs_ptrs + 5, e_r.to(gl.uint8))
 
-    gl.thread_barrier()  # rope_f32 written by the RoPE rows, read by columns below
+    barrier()  # rope_f32 written by the RoPE rows, read by columns below
 
     colr2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
     colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
@@ -204,8 +196,8 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
              e.to(gl.uint8))
 
     fence_async_shared()
-    tma.async_copy_shared_to_global(row_rope_desc, [m0, n0 + NOPE], row_rope)
-    tma.async_copy_shared_to_global(col_rope_desc, [m0, n0 + NOPE], col_rope)
+    async_store(row_rope_desc, [m0, n0 + NOPE], row_rope)
+    async_store(col_rope_desc, [m0, n0 + NOPE], col_rope)
 
 
 @gluon.jit
@@ -225,7 +217,7 @@ def _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc
             gl.allocate_shared_memory(gl.uint8, [BM, 64], row_rope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 128], col_nope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 64], col_rope_desc.layout),
-            nope_smem._reinterpret(gl.float32, [BM, 64], tile32))
+            reinterpret(nope_smem, gl.float32, [BM, 64], tile32))
 
 
 @gluon.jit
@@ -240,7 +232,7 @@ def _mla_q_fwd_gluon_kernel(
     ROPE: gl.constexpr = 64
     HEAD: gl.constexpr = 192
 
-    pid_m, head = _tile_coords(gl.program_id(0), gl.cdiv(T, BM), H, GROUP_M)
+    pid_m, head = tile_coords(gl.program_id(0), gl.cdiv(T, BM), H, GROUP_M)
     m0 = pid_m * BM
     n0 = head * HEAD
 
@@ -256,9 +248,9 @@ def _mla_q_fwd_gluon_kernel(
     for j in gl.static_range(STAGES - 1):
         pred = j < k_steps
         mbarrier.expect(ready.index(j), nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
-        tma.async_copy_global_to_shared(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
-        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
+        async_load(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
+        async_load(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
+        async_load(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
                                         pred=pred)
 
     mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
@@ -276,9 +268,9 @@ def _mla_q_fwd_gluon_kernel(
         pred = nxt < k_steps
         ns = nxt % STAGES
         mbarrier.expect(ready.index(ns), nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
-        tma.async_copy_global_to_shared(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
-        tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
+        async_load(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
+        async_load(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
+        async_load(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
                                         pred=pred)
     acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
     for j in gl.static_range(STAGES):
@@ -314,7 +306,7 @@ def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, xb_ring, wn_ring, wr_ring, re
     k_steps = gl.cdiv(K, BLOCK_K)
     c = 0
     for tile in range(gl.program_id(0), num_m * H, gl.num_programs(0)):
-        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        pid_m, head = tile_coords(tile, num_m, H, GROUP_M)
         m0 = pid_m * TILE_M
         n0 = head * 192
         for kk in range(k_steps):
@@ -322,11 +314,11 @@ def _ws_producer(x_desc, wn_desc, wr_desc, x_ring, xb_ring, wn_ring, wr_ring, re
             # a fresh barrier counts as having completed the phase before its first: parity 1 passes
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(x_desc, [m0, kk * BLOCK_K], ready.index(s), x_ring.index(s))
+            async_load(x_desc, [m0, kk * BLOCK_K], ready.index(s), x_ring.index(s))
             if TILE_M == 128:
-                tma.async_copy_global_to_shared(x_desc, [m0 + 64, kk * BLOCK_K], ready.index(s), xb_ring.index(s))
-            tma.async_copy_global_to_shared(wn_desc, [n0, kk * BLOCK_K], ready.index(s), wn_ring.index(s))
-            tma.async_copy_global_to_shared(wr_desc, [n0 + NOPE, kk * BLOCK_K], ready.index(s), wr_ring.index(s))
+                async_load(x_desc, [m0 + 64, kk * BLOCK_K], ready.index(s), xb_ring.index(s))
+            async_load(wn_desc, [n0, kk * BLOCK_K], ready.index(s), wn_ring.index(s))
+            async_load(wr_desc, [n0 + NOPE, kk * BLOCK_K], ready.index(s), wr_ring.index(s))
             c += 1
 
 
@@ -364,7 +356,7 @@ def _ws_consumer(CID: gl.constexpr, x_ring, wn_ring, wr_ring, ready, empty, done
     j = CID  # this tile's position in the program's tile sequence (slot counter = j * k_steps + kk)
     n = 0  # this warpgroup's tile count
     for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
-        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        pid_m, head = tile_coords(tile, num_m, H, GROUP_M)
         _wait_turn(done, CID, n)
         acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
         acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
@@ -459,7 +451,7 @@ def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready
     j = CID
     n = 0
     for tile in range(gl.program_id(0) + CID * nprog, num_m * H, 2 * nprog):
-        pid_m, head = _tile_coords(tile, num_m, H, GROUP_M)
+        pid_m, head = tile_coords(tile, num_m, H, GROUP_M)
         _wait_turn(done, CID, n)
         acc_na = gl.zeros([64, NOPE], gl.float32, mma_nope)
         acc_ra = gl.zeros([64, ROPE], gl.float32, mma_rope)
@@ -491,7 +483,7 @@ def _ws128_consumer(CID: gl.constexpr, xa_ring, xb_ring, wn_ring, wr_ring, ready
         rope_a.store(acc_ra.to(gl.bfloat16))
         nope_b.store(acc_nb.to(gl.bfloat16))
         rope_b.store(acc_rb.to(gl.bfloat16))
-        gl.thread_barrier()
+        barrier()
         m0 = pid_m * TILE
         n0 = head * 192
         _epilogue_staged(nope_a, rope_a, row_nope_a, row_rope_a, col_nope_a, col_rope_a, rope_f32_a,
@@ -562,18 +554,14 @@ WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES
 KINDS = ("plain", "ws", "ws128")
 
 
-VERIFIED_TRITON = ("3.6.",)  # Gluon is experimental: 3.9 renames the TMA copies and drops
-# thread_barrier / automatic shared-memory barriers, so other releases need their own port and GPU run
+VERIFIED_TRITON = _SUPPORTED_TRITON  # the releases _gluon_compat spans (3.6 run on the H200, 3.9 compiled)
 
 
 def gluon_reasons(x, w, dequantized: bool = False) -> list:
     """Why the Gluon kernel cannot run these operands (empty: it can). dequantized: x and w are the codes
     of MXTensors whose exact bf16 dequantization (fresh contiguous tensors) the kernel will read, so
     only device, version and token count apply."""
-    reasons = []
-    if not triton.__version__.startswith(VERIFIED_TRITON):
-        reasons.append(f"the Gluon kernel is verified with Triton {', '.join(v + 'x' for v in VERIFIED_TRITON)} only, "
-                       f"this is {triton.__version__}")
+    reasons = version_reasons()
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         return ["x and w must be tensors"]
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] != 9:
