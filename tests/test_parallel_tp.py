@@ -40,7 +40,8 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 import dispatch.autograd as mxag  # noqa: E402
 import dispatch.parallel  # noqa: E402,F401  (registers the DTensor rules)
-from dispatch.parallel.tensor import RULES, ReplicateParameters, mxfp8_quantize  # noqa: E402
+from dispatch.parallel import ReplicateParameters
+from dispatch.parallel.tensor import RULES, mxfp8_quantize  # noqa: E402
 from tests.parallel_spawn import checked, result_of, run_ranks  # noqa: E402
 from tests.util import assert_bytes_equal  # noqa: E402
 
