@@ -136,8 +136,8 @@ def decode_e4m3(codes):
     """fp32 value of uint8 e4m3 codes, exact (NaN code -> NaN), on the bits: sign | mag << 20 is the value
     times 2^-120 for normal and subnormal codes alike, and the multiply by 2^120 is exact. Integer ops
     on purpose, also on the GPU: for codes just made by the fp32 -> e4m3 cvt in the same kernel, the
-    cast back through Triton's fp8 type gave values that were not the codes' on the H200 (Triton 3.6:
-    bf16 dequantized values wrong in 99 % of a block row), and the interpreter's fp8 cast is wrong."""
+    cast back through Triton's fp8 type gave values that were not the codes' on the H200 (Triton 3.6),
+    and the interpreter's fp8 cast is wrong."""
     c = codes.to(tl.int32)
     mag = c & 0x7F
     v = ((mag << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2^120

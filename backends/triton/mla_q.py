@@ -814,15 +814,17 @@ def _grad_prep_kernel(
         bad = tl.zeros([BLOCK_R, WIDTH], tl.int32)
         out_off = offs_r.to(tl.int64)[:, None] * C + offs_c[None, :]
         ok2 = r_ok[:, None] & c_ok[None, :]
+        # the codes on integer bits here (HW_CVT False): codes from the GPU's fp32 -> e4m3 cvt, read back
+        # as bits in the same kernel, gave wrong values on the H200 (Triton 3.6), stores of them did not
         if ROW_DQ:
-            codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), HW_CVT)
+            codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), False)
             dq_r = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
             bad |= tl.reshape(bf16_unsafe(codes, e[:, :, None], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
             bad |= ((dq_r.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
             tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
         if COL_DQ:
             NB2: tl.constexpr = BLOCK_R // 32
-            codes, e = _quantize_cols(tl.reshape(v, [NB2, 32, WIDTH]), HW_CVT)
+            codes, e = _quantize_cols(tl.reshape(v, [NB2, 32, WIDTH]), False)
             dq_c = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
             bad |= tl.reshape(bf16_unsafe(codes, e[:, None, :], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
             bad |= ((dq_c.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
