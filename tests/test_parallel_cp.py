@@ -37,7 +37,7 @@ GRAD_NAMES = ("dq", "dk", "dv")
 
 
 def _rel(actual, expected) -> float:
-    a, e = actual.double(), expected.double()
+    a, e = actual.detach().double(), expected.detach().double()
     assert torch.isfinite(a).all(), "non-finite values"
     return float((a - e).norm() / e.norm())
 
