@@ -244,12 +244,14 @@ class MLAAttention(nn.Module):
             return t.to(torch.bfloat16)
         return mxag.mxfp8_quantize(t.contiguous(), axis=axis, backend=self.backend)
 
-    def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None,
-                cu_seqlens_kv: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
+                causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+        """(o, lse); `causal` overrides the module's setting for this call."""
         q = self._prepare(q, -1)
         k = self._prepare(k, -1)
         v = self._prepare(v, _SEQ_AXIS[self.layout])
-        return mxag.mla_attention(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, layout=self.layout,
+        causal = self.causal if causal is None else bool(causal)
+        return mxag.mla_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, layout=self.layout,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=self.backend)
 
     def extra_repr(self) -> str:

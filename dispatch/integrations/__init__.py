@@ -1,0 +1,7 @@
+"""Drop-in integrations of mxmla into existing model code.
+
+- `dispatch.integrations.transformers`: `patch_deepseek_v3(model, path=...)` / `unpatch_deepseek_v3(model)`
+  for HF transformers' DeepSeek-V3 (needs the optional extra `.[hf]`; imported only when asked for, so
+  `import dispatch` works without transformers).
+Fallbacks and their reasons are logged to `logging.getLogger("mxmla.integrations")`.
+"""

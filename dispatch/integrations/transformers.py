@@ -1,0 +1,323 @@
+"""HF transformers' DeepSeek-V3 on the mxmla path: `patch_deepseek_v3(model, path="mxfp8" | "bf16")`.
+
+    from dispatch.integrations.transformers import patch_deepseek_v3, unpatch_deepseek_v3
+    model = patch_deepseek_v3(DeepseekV3ForCausalLM(config), path="mxfp8")   # every DeepseekV3Attention
+    loss = model(input_ids, labels=labels).loss; loss.backward()             # training and eval alike
+    unpatch_deepseek_v3(model)                                               # the original forwards back
+
+Each `DeepseekV3Attention` instance of the model gets a forward (an instance attribute; the class and
+other models are untouched) that computes what HF's forward computes, through `dispatch.autograd`:
+
+    c_q = q_a_proj(h)                                  HF module (q_lora_rank None: the input is h)
+    q   = mla_q_projection(c_q, q_b_proj.weight, cos, sin, norm_weight=q_a_layernorm.weight, ...)
+          mxfp8: rmsnorm_mxfp8 -> fused up-projection + RoPE + MXFP8 quantize (weight quantized once per
+                 update, dispatch.weights); q_lora_rank None: mxfp8_quantize(h) -> the fused op on q_proj
+          bf16:  RMSNorm -> bf16 GEMM -> rope
+    kv_nope, k_rot = split(kv_a_proj_with_mqa(h)); kv_nope = kv_a_layernorm(kv_nope)   HF modules
+    k_rot = rope(k_rot);  [k_nope | v] = kv_b_proj(kv_nope)                              HF module
+    o = mla_attention(q, [k_nope | k_rot], v, causal, softmax_scale=attn.scaling)
+          mxfp8: k MXFP8 along D, v along S (quantized from the model's dtype); bf16: k, v in bf16
+    out = o_proj(o)                                    HF module, o cast to the model's dtype
+
+Mapping of HF's conventions:
+- RoPE: HF's cos / sin (`position_embeddings`, per token, from position_ids, offsets and the rope type's
+  attention factor included) are used as given. `config.rope_interleave=True` (DeepSeek's checkpoints;
+  `apply_rotary_pos_emb_interleave`) is mxmla's "mla" style: interleaved pairs in, halves out, with
+  HF's cat([freqs, freqs]) tables. `rope_interleave=False` (`apply_rotary_pos_emb`, rotate_half) is
+  "neox". Both equal HF's formulas in exact arithmetic (tests/test_integration_transformers.py checks
+  them numerically); mxmla rotates in fp32 and rounds once, HF rounds each product in the model dtype.
+- Softmax scale: `attn.scaling`, i.e. 1/sqrt(192) times mscale^2 when rope_parameters has yarn's
+  mscale_all_dim (HF's `yarn_apply_mscale`).
+- RMSNorm eps: the modules' own `variance_epsilon` (HF builds q_a_layernorm with its default 1e-6).
+- Weights in fp32 or bf16: the mxfp8 path quantizes q_b_proj's weight from its bf16 cast (its gradient
+  arrives in the weight's dtype); HF's modules run in the model's dtype; attention in bf16 or MXFP8.
+
+What the path serves, per call, and what falls back to HF's own forward (reason logged once per reason
+to logging.getLogger("mxmla.integrations"), every occurrence counted in `patch_state(model).fallbacks`):
+- attention_mask: None (sdpa / flash: causal, as HF's `is_causal`; eager: no mask), or a 4-D mask that
+  is exactly the plain causal mask (bool: the lower triangle; float: 0 there and <= the dtype's min
+  elsewhere), or a 2-D all-ones padding mask. Anything else (padding, packed-sequence block masks,
+  flex BlockMasks) falls back. Checking a mask tensor reads it (one device sync per new mask; the
+  verdict is remembered for the layers that share it).
+- cache: None, or an empty DynamicCache layer (a plain forward with use_cache=True, the prefill of
+  generate): served, and the layer's compressed latents (kv_a_layernorm(kv_nope), roped k_rot) are
+  written to it as HF does. A cache already holding tokens (decoding) or another cache type falls back.
+- mxfp8 path: a sequence length that is not a multiple of 32 falls back (MXFP8 blocks run along S for
+  v and along the tokens for the fused op's backward).
+- attention dropout > 0 in training, `output_attentions`, packed-sequence kwargs (cu_seq_lens_q / _k)
+  fall back.
+Raised at patch time, naming the config field: head dims other than qk_nope 128 + qk_rope 64 / v 128,
+a q_lora_rank (or hidden_size when q_lora_rank is None) that is not a multiple of 32 on the mxfp8
+path, a q_b_proj with bias, a model without DeepseekV3Attention, a model already patched.
+
+Tested with transformers 5.24 (the forward signature with `cache`, formerly `past_key_values`; both
+names are accepted). torch.compile of a patched model graph-breaks at the Python checks above.
+"""
+from __future__ import annotations
+
+import logging
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+import dispatch.autograd as mxag
+from dispatch.nn import PATHS, MLAAttention, mla_q_projection
+
+try:  # the optional extra `.[hf]`
+    from transformers import cache_utils as _hf_cache
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as _hf_deepseek
+except ImportError as _error:  # pragma: no cover - exercised only without transformers
+    _hf_cache = None
+    _hf_deepseek = None
+    _IMPORT_ERROR: Optional[ImportError] = _error
+else:
+    _IMPORT_ERROR = None
+
+__all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "patch_state", "PatchState"]
+
+log = logging.getLogger("mxmla.integrations")
+
+NOPE_DIM, ROPE_DIM, V_DIM = 128, 64, 128
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+
+
+@dataclass
+class PatchState:
+    """What `patch_deepseek_v3` did to a model: the options, the patched modules, and per-reason
+    counts of calls served by HF's own forward (`fallbacks`) against calls served by mxmla (`served`)."""
+
+    path: str
+    backend: Optional[str]
+    quantize_grad: bool
+    modules: List[nn.Module] = field(default_factory=list)
+    fallbacks: Counter = field(default_factory=Counter)
+    served: int = 0
+    _logged: set = field(default_factory=set)
+
+    def fall_back(self, module: nn.Module, reason: str) -> None:
+        self.fallbacks[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("mxmla %s path: DeepseekV3Attention layer %s runs HF's forward: %s (logged once per reason)",
+                        self.path, getattr(module, "layer_idx", "?"), reason)
+        else:
+            log.debug("layer %s falls back: %s", getattr(module, "layer_idx", "?"), reason)
+
+
+@dataclass
+class _ModuleState:
+    patch: PatchState
+    original: Any  # HF's forward bound to the module
+    attention: MLAAttention
+
+
+_STATE_ATTR = "_mxmla_state"
+_PATCH_ATTR = "_mxmla_patch"
+
+
+def _require_transformers() -> None:
+    if _IMPORT_ERROR is not None:
+        raise ImportError("dispatch.integrations.transformers needs HF transformers: pip install 'mxmla[hf]' "
+                          f"(or pip install transformers); import failed with: {_IMPORT_ERROR}")
+
+
+def _check_module(attn: nn.Module, path: str) -> None:
+    config = attn.config
+    for name, want in (("qk_nope_head_dim", NOPE_DIM), ("qk_rope_head_dim", ROPE_DIM), ("v_head_dim", V_DIM)):
+        got = getattr(attn, name)
+        if got != want:
+            raise ValueError(f"config.{name}: mxmla serves DeepSeek-V3's head dims (qk_nope 128 + qk_rope 64, "
+                             f"v 128), got {name}={got}")
+    if attn.q_lora_rank is not None:
+        if attn.q_b_proj.bias is not None:
+            raise ValueError("q_b_proj: the fused Q path has no bias, got a q_b_proj with bias")
+        if path == "mxfp8" and attn.q_lora_rank % 32:
+            raise ValueError(f"config.q_lora_rank: the mxfp8 path needs a multiple of 32 (MXFP8 blocks), "
+                             f"got {attn.q_lora_rank}")
+    else:
+        if attn.q_proj.bias is not None:
+            raise ValueError("q_proj: the fused Q path has no bias, got a q_proj with bias")
+        if path == "mxfp8" and config.hidden_size % 32:
+            raise ValueError(f"config.hidden_size: with q_lora_rank None the mxfp8 path quantizes the hidden "
+                             f"states, which needs a multiple of 32, got {config.hidden_size}")
+
+
+def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[str] = None, *,
+                      quantize_grad: bool = True) -> nn.Module:
+    """Route every DeepseekV3Attention of `model` through mxmla (module docstring) and return `model`.
+
+    path: "mxfp8" | "bf16". backend: for every mxmla op (None: MXMLA_BACKEND or the automatic choice).
+    quantize_grad: the fused Q op's MXFP8 backward (mxfp8 path). Undo with `unpatch_deepseek_v3`."""
+    _require_transformers()
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, _PATCH_ATTR, None) is not None:
+        raise ValueError(f"model: already patched by mxmla (path={getattr(model, _PATCH_ATTR).path!r}); "
+                         "call unpatch_deepseek_v3(model) first")
+    modules = [m for m in model.modules() if isinstance(m, _hf_deepseek.DeepseekV3Attention)]
+    if not modules:
+        raise ValueError(f"model: no transformers DeepseekV3Attention module in {type(model).__name__}")
+    for attn in modules:
+        if getattr(attn, _STATE_ATTR, None) is not None:
+            raise ValueError(f"model: DeepseekV3Attention layer {attn.layer_idx} is already patched by mxmla "
+                             "(through another model object)")
+        _check_module(attn, path)
+    state = PatchState(path, backend, bool(quantize_grad), modules)
+    for attn in modules:
+        original = type(attn).forward.__get__(attn)
+        attention = MLAAttention(causal=True, softmax_scale=attn.scaling, layout="bshd", path=path, backend=backend)
+        setattr(attn, _STATE_ATTR, _ModuleState(state, original, attention))
+        attn.forward = types.MethodType(_patched_forward, attn)
+    setattr(model, _PATCH_ATTR, state)
+    return model
+
+
+def unpatch_deepseek_v3(model: nn.Module) -> nn.Module:
+    """Give every patched DeepseekV3Attention of `model` its class's forward back; returns `model`."""
+    state = getattr(model, _PATCH_ATTR, None)
+    if state is None:
+        raise ValueError("model: not patched by mxmla (patch_deepseek_v3 was not called on it)")
+    for attn in state.modules:
+        attn.__dict__.pop("forward", None)
+        attn.__dict__.pop(_STATE_ATTR, None)
+    delattr(model, _PATCH_ATTR)
+    return model
+
+
+def patch_state(model: nn.Module) -> Optional[PatchState]:
+    """The PatchState of a patched model (None when it is not patched)."""
+    return getattr(model, _PATCH_ATTR, None)
+
+
+# --------------------------------------------------------------------------------------------------
+# What the path can serve
+# --------------------------------------------------------------------------------------------------
+
+_mask_verdicts: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+
+
+def _mask_is_plain_causal(mask: Tensor, batch: int, seq: int) -> Optional[str]:
+    """None when `mask` is the plain causal mask (or an all-ones 2-D padding mask) for [batch, seq]
+    queries and keys, else why not. Reads the mask once per tensor version."""
+    key = (mask._version, mask.data_ptr(), tuple(mask.shape), batch, seq)
+    cached = _mask_verdicts.get(mask)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    verdict = _judge_mask(mask, batch, seq)
+    _mask_verdicts[mask] = (key, verdict)
+    return verdict
+
+
+def _judge_mask(mask: Tensor, batch: int, seq: int) -> Optional[str]:
+    if mask.dim() == 2:
+        if tuple(mask.shape) != (batch, seq):
+            return f"attention_mask: a 2-D mask of shape {tuple(mask.shape)}, expected ({batch}, {seq})"
+        return None if bool((mask != 0).all()) else "attention_mask: padding (a 2-D mask with zeros)"
+    if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[-2:]) != (seq, seq):
+        return f"attention_mask: shape {tuple(mask.shape)} is not [B, 1|H, {seq}, {seq}] of a plain causal mask"
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        plain = torch.equal(mask, causal.expand(mask.shape))
+    elif mask.is_floating_point():
+        plain = bool(torch.where(causal, mask == 0, mask <= torch.finfo(mask.dtype).min).all())
+    else:
+        return f"attention_mask: dtype {mask.dtype} (expected bool or floating)"
+    return None if plain else "attention_mask: not the plain causal mask (padding or packed sequences)"
+
+
+def _dynamic_layer_type():
+    return getattr(_hf_cache, "DynamicLayer", None)
+
+
+def _unservable(attn, st: _ModuleState, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+    """(reason or None, causal) for this call."""
+    if hidden_states.dim() != 3:
+        return f"hidden_states: expected [B, S, hidden], got {tuple(hidden_states.shape)}", True
+    batch, seq = hidden_states.shape[:2]
+    if position_embeddings is None:
+        return "position_embeddings: None (HF passes cos / sin from the model's rotary embedding)", True
+    if st.patch.path == "mxfp8" and seq % 32:
+        return f"sequence length {seq} is not a multiple of 32 (the mxfp8 path blocks v along S)", True
+    if attn.training and attn.attention_dropout:
+        return f"attention_dropout={attn.attention_dropout} in training (mla_attention has no dropout)", True
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (mla_attention returns no attention weights)", True
+    for name in _PACKED_KWARGS:
+        if kwargs.get(name) is not None:
+            return f"{name}: packed sequences are not served (HF's forward handles them)", True
+    if cache is not None:
+        past = cache.get_seq_length(attn.layer_idx)
+        if past:
+            return f"cache: layer {attn.layer_idx} already holds {past} tokens (decoding with a KV cache)", True
+        layers = getattr(cache, "layers", None)
+        layer = layers[attn.layer_idx] if layers is not None and attn.layer_idx < len(layers) else None
+        dynamic = _dynamic_layer_type()
+        if layers is None or (layer is not None and type(layer) is not dynamic) or (
+                layer is None and getattr(cache, "layer_class_to_replicate", None) is not dynamic):
+            return f"cache: {type(cache).__name__} (only an empty DynamicCache layer is served)", True
+    is_causal = bool(kwargs.get("is_causal", getattr(attn, "is_causal", True)))
+    if attention_mask is None:
+        eager = attn.config._attn_implementation in (None, "eager")
+        return None, is_causal and not eager
+    if not isinstance(attention_mask, Tensor):
+        return f"attention_mask: a {type(attention_mask).__name__} (only None or a plain causal tensor)", True
+    reason = _mask_is_plain_causal(attention_mask, batch, seq)
+    return reason, attention_mask.dim() == 4 or is_causal
+
+
+# --------------------------------------------------------------------------------------------------
+# The patched forward
+# --------------------------------------------------------------------------------------------------
+
+def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask: Optional[Tensor] = None,
+                     cache=None, **kwargs):
+    st: _ModuleState = getattr(self, _STATE_ATTR)
+    if cache is None and "past_key_values" in kwargs:
+        cache = kwargs.pop("past_key_values")
+    reason, causal = _unservable(self, st, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+    if reason is not None:
+        st.patch.fall_back(self, reason)
+        return st.original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                           cache=cache, **kwargs)
+    st.patch.served += 1
+    patch = st.patch
+    batch, seq = hidden_states.shape[:2]
+    tokens = batch * seq
+    style = "mla" if self.config.rope_interleave else "neox"
+    cos, sin = position_embeddings
+
+    if self.q_lora_rank is None:
+        x, weight, norm_weight, eps = hidden_states, self.q_proj.weight, None, 0.0
+    else:
+        x, weight = self.q_a_proj(hidden_states), self.q_b_proj.weight
+        norm_weight, eps = self.q_a_layernorm.weight, self.q_a_layernorm.variance_epsilon
+    q = mla_q_projection(x, weight, cos, sin, norm_weight=norm_weight, eps=eps, path=patch.path, rope_style=style,
+                         quantize_grad=patch.quantize_grad, backend=patch.backend)      # [B, S, H, 192]
+
+    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, ROPE_DIM], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope)                                                    # [B, S, kv_lora]
+    cos_t = cos.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
+    sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM).to(cos_t.dtype)
+    if cos_t.dtype == torch.float16:
+        cos_t, sin_t = cos_t.float(), sin_t.float()
+    k_rot = mxag.rope(k_rot.reshape(tokens, 1, ROPE_DIM), cos_t, sin_t, style=style, layout="thd",
+                      backend=patch.backend)                                                  # [T, 1, 64]
+    if cache is not None:  # an empty DynamicCache layer (checked): store the latents as HF does
+        cache.update(kv_nope.view(batch, 1, seq, self.kv_lora_rank), k_rot.view(batch, 1, seq, ROPE_DIM),
+                     self.layer_idx)
+
+    kv = self.kv_b_proj(kv_nope).view(batch, seq, self.num_heads, NOPE_DIM + V_DIM)
+    k_nope, v = kv[..., :NOPE_DIM], kv[..., NOPE_DIM:]
+    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM).expand(batch, seq, self.num_heads, ROPE_DIM)
+    k = torch.cat([k_nope, k_rot], dim=-1)                                                    # [B, S, H, 192]
+    o, _ = st.attention(q, k, v, causal=causal)                                               # [B, S, H, 128]
+    out = self.o_proj(o.reshape(batch, seq, self.num_heads * V_DIM).to(hidden_states.dtype))
+    return out, None
