@@ -160,6 +160,12 @@ def _is_dtensor(w) -> bool:
     return dtensor is not None and isinstance(w, dtensor.DTensor)
 
 
+def _replicated_like(t: Tensor, w) -> Tensor:
+    """t as a DTensor replicated over w's mesh."""
+    dtensor = sys.modules["torch.distributed.tensor"]
+    return dtensor.DTensor.from_local(t, w.device_mesh, [dtensor.Replicate()] * w.device_mesh.ndim, run_check=False)
+
+
 def _check_rows(rows, n: int) -> None:
     if not isinstance(rows, Tensor) or rows.dtype not in (torch.int32, torch.int64) or tuple(rows.shape) != (n,):
         what = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, Tensor) else type(rows).__name__
@@ -181,7 +187,10 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
     _check_weight(w)
     if torch.compiler.is_compiling() or _is_dtensor(w):
         # a DTensor (tensor parallelism) is quantized per call through the custom op, whose DTensor
-        # rule (dispatch.parallel.tensor) keeps w's placement; the cache keys on local storage
+        # rule (dispatch.parallel.tensor) keeps w's placement; the cache keys on local storage. A row
+        # order is applied to the whole weight (DTensor gathers a sharded w for it: correct, not parallel)
+        if rows is not None and _is_dtensor(w) and not _is_dtensor(rows):
+            rows = _replicated_like(rows, w)
         src = w if rows is None else w.index_select(0, rows)
         return mxfp8_quantize(src.to(torch.bfloat16), backend=backend, **_QUANT)
     if cache:
