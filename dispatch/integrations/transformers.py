@@ -126,6 +126,12 @@ def _require_transformers() -> None:
                           f"(or pip install transformers); import failed with: {_IMPORT_ERROR}")
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return getattr(transformers, "__version__", "?")
+
+
 def _check_module(attn: nn.Module, path: str) -> None:
     config = attn.config
     for name, want in (("qk_nope_head_dim", NOPE_DIM), ("qk_rope_head_dim", ROPE_DIM), ("v_head_dim", V_DIM)):
@@ -161,6 +167,9 @@ def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[s
     if getattr(model, _PATCH_ATTR, None) is not None:
         raise ValueError(f"model: already patched by mxmla (path={getattr(model, _PATCH_ATTR).path!r}); "
                          "call unpatch_deepseek_v3(model) first")
+    if not hasattr(_hf_deepseek.DeepseekV3Attention, "expand_kv"):
+        raise ImportError(f"transformers {_transformers_version()}: its DeepseekV3Attention does not cache the "
+                          "compressed latents (no expand_kv); patch_deepseek_v3 needs transformers >= 5.24")
     modules = [m for m in model.modules() if isinstance(m, _hf_deepseek.DeepseekV3Attention)]
     if not modules:
         raise ValueError(f"model: no transformers DeepseekV3Attention module in {type(model).__name__}")

@@ -1,0 +1,339 @@
+#!/usr/bin/env python
+"""HF transformers' DeepSeek-V3 decoder layer, patched by mxmla (mxfp8, bf16) against unpatched (sdpa).
+
+    python benchmarks/bench_hf_layer.py --out OUT_DIR                  # layer timing + memory (CUDA)
+    python benchmarks/bench_hf_layer.py --train 200 --out OUT_DIR      # plus 200 training steps, 2 layers
+    python benchmarks/bench_hf_layer.py --smoke --train 5              # tiny, CPU, seconds
+
+Layer (timing): one `DeepseekV3DecoderLayer` with DeepSeek-V3's attention (hidden 7168, 128 heads,
+q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, rope_interleave=True), random
+init (HF's own init, initializer_range 0.02), bf16 weights. Layer 0 is dense
+(first_k_dense_replace=1): a `DeepseekV3MLP` of intermediate size 2048 (--intermediate) instead of
+DeepSeek-V3's 18432 dense / MoE layers, so that the attention, the part mxmla changes, is most of
+the layer's time. Input [B=1, S=4096, 7168] bf16, cos / sin from HF's rotary embedding, mask None
+(sdpa: causal). Forward + backward (dL/dout a fixed random tensor; gradients of the input and of
+every weight) timed with CUDA events, the three variants in turns (unpatched, bf16, mxfp8, repeated
+--rounds times, --iters calls each), median of all timed calls after --warmup calls per variant.
+Peak memory: torch.cuda.max_memory_allocated during one forward + backward, minus what was
+allocated before it (weights, grads, input).
+
+Training (--train N): a 2-layer `DeepseekV3ForCausalLM` (hidden 1024, 8 heads, q_lora 512, kv_lora
+256, the real head dims, dense MLPs of 2816, vocabulary 4096, fp32 weights), AdamW lr 1e-3 with 20
+warm-up steps and gradient clipping at 1, batch 4 x 1024 tokens from a fixed random first-order
+Markov chain over the vocabulary (each token has 8 likely successors: learnable, with a known entropy
+floor), the same seed and data for every variant. Reported: each variant's loss curve, the
+relative difference of the final loss (mean of the last 10 steps) to unpatched, which must be
+within 2 %, and the largest per-step relative difference.
+
+JSON goes to --out (a folder: bench_hf_layer.json inside it; or a file path). The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+import torch  # noqa: E402
+
+VARIANTS = ("unpatched", "bf16", "mxfp8")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="folder (bench_hf_layer.json inside) or .json path for the results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch backend)")
+    ap.add_argument("--train", type=int, default=0, metavar="STEPS", help="also train a 2-layer model this many steps")
+    ap.add_argument("--no-layer", action="store_true", help="skip the layer timing")
+    ap.add_argument("--seq", type=int, default=None, help="layer timing: sequence length (default 4096; smoke 64)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--intermediate", type=int, default=None, help="dense MLP size of the timed layer (default 2048)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5, help="timed calls per variant per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", default=None, help="mxmla backend (default: automatic; smoke: torch)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.backend = args.backend or "torch"
+        args.seq = args.seq or 64
+        args.intermediate = args.intermediate or 256
+        args.warmup, args.iters, args.rounds = min(args.warmup, 1), min(args.iters, 2), min(args.rounds, 2)
+    args.seq = args.seq or 4096
+    args.intermediate = args.intermediate or 2048
+    return args
+
+
+def _config(smoke: bool, **kw):
+    from transformers import DeepseekV3Config
+
+    if smoke:
+        base = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=64,
+                    vocab_size=128)
+    else:
+        base = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+                    kv_lora_rank=512, vocab_size=129280)
+    base.update(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, n_routed_experts=4,
+                n_group=1, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=64, use_cache=False,
+                max_position_embeddings=max(4096, kw.pop("max_positions", 0)))
+    base.update(kw)
+    config = DeepseekV3Config(**base)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _patch(module, variant, backend):
+    from dispatch.integrations.transformers import patch_deepseek_v3
+
+    return module if variant == "unpatched" else patch_deepseek_v3(module, path=variant, backend=backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer timing
+# --------------------------------------------------------------------------------------------------
+
+class _Clock:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def time_ms(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def bench_layer(args, device) -> dict:
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
+
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16
+    config = _config(args.smoke, intermediate_size=args.intermediate, first_k_dense_replace=1,
+                     max_positions=args.seq)
+    torch.manual_seed(0)
+    base = DeepseekV3DecoderLayer(config, layer_idx=0)
+    with torch.no_grad():  # HF's _init_weights: normal(0, initializer_range) for Linear, ones for norms
+        for name, p in base.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, config.initializer_range)
+    base = base.to(device=device, dtype=dtype)
+    rotary = DeepseekV3RotaryEmbedding(config).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    h = torch.randn(args.batch, args.seq, config.hidden_size, generator=gen).to(device, dtype)
+    grad_out = torch.randn(h.shape, generator=gen).to(device, dtype)
+    position_ids = torch.arange(args.seq, device=device)[None]
+    cos, sin = rotary(h, position_ids)
+    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in VARIANTS}
+    del base
+    inputs = {v: h.clone().requires_grad_(True) for v in VARIANTS}
+
+    def step(variant):
+        layer, x = layers[variant], inputs[variant]
+        out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+        out.backward(grad_out)
+
+    def clear(variant):
+        inputs[variant].grad = None
+        for p in layers[variant].parameters():
+            p.grad = None
+
+    clock = _Clock(cuda)
+    times = {v: [] for v in VARIANTS}
+    first_call_s = {}
+    for v in VARIANTS:  # warm-up (compiles, autotunes, fills the weight caches)
+        t0 = time.perf_counter()
+        step(v)
+        if cuda:
+            torch.cuda.synchronize()
+        first_call_s[v] = time.perf_counter() - t0
+        for _ in range(args.warmup - 1):
+            step(v)
+    for _ in range(args.rounds):
+        for v in VARIANTS:
+            for _ in range(args.iters):
+                times[v].append(clock.time_ms(lambda: step(v)))
+    peak = {}
+    for v in VARIANTS:
+        clear(v)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step(v)
+            torch.cuda.synchronize()
+            peak[v] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+        else:
+            step(v)
+            peak[v] = None
+    # outputs agree: one forward of each variant against the unpatched one
+    with torch.no_grad():
+        outs = {v: layers[v](h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+                for v in VARIANTS}
+    ref = outs["unpatched"].float()
+    rel = {v: float((outs[v].float() - ref).norm() / ref.norm()) for v in VARIANTS}
+    grads = {v: inputs[v].grad.float() for v in VARIANTS}
+    grad_cos = {v: float(torch.nn.functional.cosine_similarity(grads[v].flatten(), grads["unpatched"].flatten(), dim=0))
+                for v in VARIANTS}
+    from dispatch.integrations.transformers import patch_state
+
+    fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in VARIANTS if v != "unpatched"}
+    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    return {
+        "shape": {"batch": args.batch, "seq": args.seq, "hidden": config.hidden_size,
+                  "heads": config.num_attention_heads, "q_lora_rank": config.q_lora_rank,
+                  "kv_lora_rank": config.kv_lora_rank, "mlp": f"dense DeepseekV3MLP, intermediate {args.intermediate}",
+                  "dtype": "bfloat16"},
+        "ms_median": med, "ms_all": times, "first_call_s": first_call_s, "peak_gib": peak,
+        "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in VARIANTS},
+        "out_rel_err_vs_unpatched": rel, "input_grad_cosine_vs_unpatched": grad_cos, "fallbacks": fallbacks,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+class MarkovData:
+    """Batches from a fixed random first-order Markov chain: each token has `fanout` successors with
+    Dirichlet-ish weights. The entropy rate is the loss floor a perfect model reaches."""
+
+    def __init__(self, vocab: int, fanout: int = 8, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.next_tokens = torch.randint(0, vocab, (vocab, fanout), generator=gen)
+        w = torch.rand(vocab, fanout, generator=gen) + 0.1
+        self.probs = w / w.sum(-1, keepdim=True)
+        self.vocab, self.seed = vocab, seed
+        p = self.probs
+        self.entropy = float(-(p * p.log()).sum(-1).mean())  # per token, nats (successor sets may collide)
+
+    def batch(self, step: int, batch: int, seq: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        tokens = torch.empty(batch, seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=gen)
+        for t in range(1, seq):
+            choice = torch.multinomial(self.probs[tokens[:, t - 1]], 1, generator=gen)[:, 0]
+            tokens[:, t] = self.next_tokens[tokens[:, t - 1], choice]
+        return tokens
+
+
+def train(args, device) -> dict:
+    from transformers import DeepseekV3ForCausalLM
+
+    if args.smoke:
+        config = _config(True, num_hidden_layers=2, intermediate_size=256, first_k_dense_replace=2,
+                         initializer_range=0.1)
+        batch, seq = 2, 64
+    else:
+        config = _config(False, hidden_size=1024, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=512,
+                         kv_lora_rank=256, vocab_size=4096, num_hidden_layers=2, intermediate_size=2816,
+                         first_k_dense_replace=2)
+        batch, seq = 4, 1024
+    data = MarkovData(config.vocab_size)
+    batches = [data.batch(s, batch, seq) for s in range(args.train)]
+    result = {"config": {"hidden": config.hidden_size, "heads": config.num_attention_heads,
+                         "q_lora_rank": config.q_lora_rank, "kv_lora_rank": config.kv_lora_rank, "layers": 2,
+                         "vocab": config.vocab_size, "batch": batch, "seq": seq, "dtype": "float32",
+                         "mlp": f"dense, intermediate {config.intermediate_size}"},
+              "entropy_floor": data.entropy, "losses": {}, "seconds": {}}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model = DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
+        model = _patch(model, variant, args.backend).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20))
+        losses = []
+        t0 = time.perf_counter()
+        for step in range(args.train):
+            ids = batches[step].to(device)
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+        result["losses"][variant] = losses
+        result["seconds"][variant] = time.perf_counter() - t0
+        del model, opt
+    tail = max(1, min(10, args.train))
+    final = {v: sum(result["losses"][v][-tail:]) / tail for v in VARIANTS}
+    ref = result["losses"]["unpatched"]
+    result["final_loss"] = final
+    result["final_rel_diff"] = {v: (final[v] - final["unpatched"]) / final["unpatched"] for v in VARIANTS}
+    result["max_step_rel_diff"] = {v: max(abs(a - b) / b for a, b in zip(result["losses"][v], ref)) for v in VARIANTS}
+    result["within_2pct"] = all(abs(d) <= 0.02 for d in result["final_rel_diff"].values())
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+
+def _table(res: dict) -> str:
+    lines = []
+    layer = res.get("layer")
+    if layer:
+        s = layer["shape"]
+        lines.append(f"DeepseekV3DecoderLayer fwd+bwd, B{s['batch']} S{s['seq']} hidden {s['hidden']} H{s['heads']} "
+                     f"({s['mlp']}), {res['device']}")
+        lines.append(f"  {'variant':10} {'ms':>9} {'vs sdpa':>8} {'peak GiB':>9} {'out rel err':>12}")
+        for v in VARIANTS:
+            peak = layer["peak_gib"][v]
+            lines.append(f"  {v:10} {layer['ms_median'][v]:9.2f} {layer['speedup_vs_unpatched'][v]:7.3f}x "
+                         f"{'n/a' if peak is None else f'{peak:.2f}':>9} {layer['out_rel_err_vs_unpatched'][v]:12.2e}")
+        if any(layer["fallbacks"].values()):
+            lines.append(f"  FALLBACKS: {layer['fallbacks']}")
+    tr = res.get("train")
+    if tr:
+        c = tr["config"]
+        lines.append(f"training {len(tr['losses']['unpatched'])} steps, 2 layers hidden {c['hidden']} H{c['heads']}, "
+                     f"{c['batch']}x{c['seq']} tokens (entropy floor {tr['entropy_floor']:.3f})")
+        lines.append(f"  {'variant':10} {'first':>8} {'final':>8} {'final vs sdpa':>14} {'max step diff':>14} {'s':>7}")
+        for v in VARIANTS:
+            losses = tr["losses"][v]
+            lines.append(f"  {v:10} {losses[0]:8.4f} {tr['final_loss'][v]:8.4f} {tr['final_rel_diff'][v]:+13.2%} "
+                         f"{tr['max_step_rel_diff'][v]:13.2%} {tr['seconds'][v]:7.1f}")
+        lines.append(f"  final losses within 2 % of unpatched: {'yes' if tr['within_2pct'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def _out_path(out: str) -> str:
+    if out.endswith(".json"):
+        return out
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, "bench_hf_layer.json")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import transformers
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "torch": torch.__version__, "transformers": transformers.__version__, "backend": args.backend,
+           "smoke": args.smoke, "args": vars(args)}
+    if not args.no_layer:
+        res["layer"] = bench_layer(args, device)
+    if args.train:
+        res["train"] = train(args, device)
+    if args.out:
+        with open(_out_path(args.out), "w") as f:
+            json.dump(res, f, indent=1)
+    print(_table(res))
+    ok = not res.get("train") or res["train"]["within_2pct"] or args.smoke
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
