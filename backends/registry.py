@@ -2,6 +2,13 @@
 
 A capability check takes the op's call arguments and returns a list of reasons the backend cannot
 serve that call (wrong device, arch, dtype, shape limit, missing package). Empty means it can.
+
+Kernel variants: an implementation may run one of several kernels for the same op (the Triton fused
+mla_q forward: Gluon warp-specialized, TMA, pointer, ...). Each registers with `register_variant(op,
+backend, name, priority, check)`: its own capability check (reasons, as above) and a priority. The
+dispatcher picks the highest-priority variant whose check is empty, or the one the caller names
+(MXMLA_BACKEND `op=backend:variant`, or `variant=`), and calls the implementation with
+`variant=<name>`; a named variant that cannot serve raises with its reasons, never a downgrade.
 """
 from __future__ import annotations
 
@@ -31,6 +38,25 @@ class Implementation:
             return [f"capability check raised {type(exc).__name__}: {exc}"]
 
 
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    backend: str
+    name: str
+    priority: int  # higher first when nothing is named
+    check: Optional[Check] = None
+    doc: str = ""
+
+    def reasons(self, *args, **kwargs) -> List[str]:
+        """Why this variant cannot serve the call; [] when it can."""
+        if self.check is None:
+            return []
+        try:
+            return list(self.check(*args, **kwargs))
+        except Exception as exc:  # a broken check must never hide as "available"
+            return [f"capability check raised {type(exc).__name__}: {exc}"]
+
+
 @dataclass
 class BackendInfo:
     name: str
@@ -42,6 +68,7 @@ class BackendInfo:
 _lock = threading.RLock()
 _impls: Dict[str, Dict[str, Implementation]] = {op: {} for op in OPS}
 _backends: Dict[str, BackendInfo] = {}
+_variants: Dict[str, Dict[str, Dict[str, Variant]]] = {op: {} for op in OPS}  # op -> backend -> name
 
 
 def register(op: str, backend: str, check: Optional[Check] = None):
@@ -56,6 +83,26 @@ def register(op: str, backend: str, check: Optional[Check] = None):
         return fn
 
     return deco
+
+
+def register_variant(op: str, backend: str, name: str, priority: int, check: Optional[Check] = None,
+                     doc: str = "") -> Variant:
+    """Declare kernel variant `name` of `backend`'s `op` (see the module docstring)."""
+    if op not in _variants:
+        raise ValueError(f"register_variant: unknown op {op!r}; valid ops: {', '.join(OPS)}")
+    if not name or not all(c.isalnum() or c == "_" for c in name):
+        raise ValueError(f"register_variant: name must be letters, digits and '_', got {name!r}")
+    variant = Variant(op, backend, name, int(priority), check, doc)
+    with _lock:
+        _variants[op].setdefault(backend, {})[name] = variant
+    return variant
+
+
+def variants(op: str, backend: str) -> List[Variant]:
+    """`backend`'s variants of `op`, highest priority first (empty: the backend has one kernel)."""
+    with _lock:
+        found = list(_variants[op].get(backend, {}).values())
+    return sorted(found, key=lambda v: -v.priority)
 
 
 def declare_backend(name: str, available: bool, version: str = "", reasons: Optional[List[str]] = None):

@@ -1,4 +1,4 @@
-"""The MXMLA_BACKEND grammar.
+"""The selection grammar: MXMLA_BACKEND, and the same backend lists in `backend=`.
 
     unset | "" | "auto"                    automatic choice for every op
     "triton"                               only triton, for every op
@@ -6,8 +6,12 @@
     "mla_attention=cudnn;rope=torch;*=triton"
                                            per-op lists; "*" covers the ops not named; ops not
                                            covered at all are chosen automatically
+    "mla_q_uproj_rope_quant=triton:tma"    a backend entry may name one of its kernel variants
+                                           (backends/registry.py); without one the backend picks
+                                           its highest-priority variant that can serve the call
 
-Every name is checked: an unknown backend or op raises DispatchConfigError listing the valid ones.
+Every name is checked: an unknown backend or op raises DispatchConfigError listing the valid ones
+here; an unknown variant name raises when an op selects (the registry knows each op's variants).
 """
 from __future__ import annotations
 
@@ -29,13 +33,24 @@ def parse_backend_list(text: str, where: str) -> Optional[Tuple[str, ...]]:
     text = text.strip()
     if text in ("", "auto"):
         return AUTO
-    names = tuple(n.strip() for n in text.split(","))
-    for n in names:
-        if n not in KNOWN_BACKENDS:
+    names = []
+    for entry in text.split(","):
+        backend, _, variant = (s.strip() for s in entry.partition(":"))
+        if backend not in KNOWN_BACKENDS:
             raise DispatchConfigError(
-                f"{where}: unknown backend {n!r}; valid backends: {', '.join(KNOWN_BACKENDS)} (or 'auto')"
+                f"{where}: unknown backend {backend!r}; valid backends: {', '.join(KNOWN_BACKENDS)} (or 'auto')"
             )
-    return names
+        if ":" in entry and not (variant and all(c.isalnum() or c == "_" for c in variant)):
+            raise DispatchConfigError(f"{where}: entry {entry.strip()!r}: expected 'backend:variant' with a "
+                                      f"variant name of letters, digits and '_'")
+        names.append(f"{backend}:{variant}" if variant else backend)
+    return tuple(names)
+
+
+def split_entry(entry: str) -> Tuple[str, Optional[str]]:
+    """'triton:tma' -> ('triton', 'tma'); 'triton' -> ('triton', None)."""
+    backend, _, variant = entry.partition(":")
+    return backend, (variant or None)
 
 
 @lru_cache(maxsize=64)
