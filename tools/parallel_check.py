@@ -28,6 +28,7 @@ CUDA events per rank; the table shows the slowest rank. A failed check exits wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -129,15 +130,18 @@ class TensorParallelBlock:
         self.cos, self.sin = (DTensor.from_local(t, mesh, [Replicate()]) for t in (bench.cos, bench.sin))
         self.fwd_comms = None
 
-    def step(self):
+    def step(self, count_comms: bool = False):
+        """One forward + backward; count_comms: record the forward's collectives (CommDebugMode, a
+        dispatch mode that slows every op: the check's step only, not the timed ones)."""
         for p in self.block.parameters():
             p.grad = None
         self.h.grad = None
-        with CommDebugMode() as comm:
+        with CommDebugMode() if count_comms else contextlib.nullcontext() as comm:
             with implicit_replication():
                 out = self.block(DTensor.from_local(self.h, self.mesh, [Replicate()]), self.cos, self.sin)
             out = out.full_tensor()  # o_proj's partial sums: the forward's one all-reduce
-        self.fwd_comms = {str(k): v for k, v in comm.get_comm_counts().items()}
+        if count_comms:
+            self.fwd_comms = {str(k): v for k, v in comm.get_comm_counts().items()}
         out.backward(self.bench.dout)
         return out
 
@@ -205,7 +209,7 @@ def rel(a, b) -> float:
 
 
 def check_tp(tp: TensorParallelBlock, ref_out, bench) -> dict:
-    out = tp.step()
+    out = tp.step(count_comms=True)
     errs = {"out": rel(out, ref_out), "dh": rel(tp.h.grad, bench.h.grad)}
     world, rank = dist.get_world_size(), dist.get_rank()
     for name, p in tp.block.named_parameters():
