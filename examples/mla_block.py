@@ -16,7 +16,8 @@ The block (DeepSeek-V3 MLA, no residual, no KV cache):
 
 Paths (--path):
 - mxfp8: RMSNorm(c_q) is `rmsnorm_mxfp8` (MXFP8 rowwise + columnwise), W_UQ is quantized from its bf16
-  copy rowwise and columnwise (straight-through), the Q up-projection is the fused
+  copy rowwise and columnwise (straight-through) once per optimizer step (dispatch.weights), the Q
+  up-projection is the fused
   `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
   quantized along D and v along S, and `mla_attention` takes MXFP8 q, k, v. The other GEMMs (W_DQ,
   W_DKV, W_UKV, W_O) stay bf16: this project provides MXFP8 kernels for the Q path and attention only.
@@ -59,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dispatch  # noqa: E402
 import dispatch.autograd as mxag  # noqa: E402
+from dispatch.weights import quantized_weight  # noqa: E402
 
 NOPE_DIM, ROPE_DIM, V_DIM = 128, 64, 128
 QK_DIM = NOPE_DIM + ROPE_DIM
@@ -181,7 +183,8 @@ class MLABlock(torch.nn.Module):
                 q = mxag.rope(q, cos, sin, layout="bshd", backend=self.backend)
             else:
                 y_row, y_col, _ = mxag.rmsnorm_mxfp8(c_q, self.q_norm, eps=cfg.eps, backend=self.backend)
-                w_row, w_col = mxag.mxfp8_quantize(self.w_uq.to(bf16), axis=(1, 0), backend=self.backend)
+                # made once per optimizer step (re-quantized when the weight's version changes)
+                w_row, w_col = quantized_weight(self.w_uq, backend=self.backend)
                 # the fused op takes cos/sin rows per token: token t of sequence b sits at position t % seq
                 positions = torch.arange(s, device=h.device).repeat(b)
                 q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos[positions], sin[positions],

@@ -6,6 +6,7 @@ import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import triton
 
 from spec.mxtensor import MXTensor
 
@@ -24,6 +25,16 @@ def env_flag(name: str, default: bool) -> bool:
 def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
     """One of `choices`, parsed by backends/settings.py (anything else raises, naming the variable)."""
     return settings.choice(name, choices, default)
+
+
+def autotune_cached(**kwargs):
+    """triton.autotune, its results kept on disk beside Triton's compiled kernels (cache_results, where
+    this Triton has it): a second process with the same cache skips the timing runs."""
+    import inspect
+
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        kwargs.setdefault("cache_results", True)
+    return triton.autotune(**kwargs)
 
 
 def autotune_enabled() -> bool:

@@ -84,7 +84,7 @@ from spec.mxtensor import MXTensor
 from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
-from ._common import interpret_mode, triton_reasons
+from ._common import autotune_cached, interpret_mode, triton_reasons
 from .quantize import dequantize_bf16_flat
 from ._fpbits import round_f32
 
@@ -327,7 +327,7 @@ def _even_kv(args) -> bool:
     return FWD_EVEN_KV and not args["VARLEN"] and args["SEQ_KV"] % args["BLOCK_N"] == 0
 
 
-@triton.autotune(configs=_fwd_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "Q_MX", "K_MX", "V_MX"])
+@autotune_cached(configs=_fwd_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "Q_MX", "K_MX", "V_MX"])
 @triton.heuristics({"EVEN_KV": _even_kv})
 @triton.jit
 def _mla_fwd_kernel(
@@ -480,7 +480,7 @@ def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
     return dk0, dk1, dv
 
 
-@triton.autotune(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "ATOMIC_DQ"], reset_to_zero=["DQA"])
+@autotune_cached(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "ATOMIC_DQ"], reset_to_zero=["DQA"])
 @triton.jit
 def _mla_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CU_Q, CU_KV,
@@ -581,7 +581,7 @@ def _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta,
     return dq0, dq1
 
 
-@triton.autotune(configs=_dq_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN"])
+@autotune_cached(configs=_dq_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN"])
 @triton.jit
 def _mla_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_KV,

@@ -90,7 +90,7 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import env_choice, env_flag, interpret_mode, triton_reasons
+from ._common import autotune_cached, env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, bf16_unsafe, decode_e4m3, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
@@ -519,8 +519,8 @@ _HEURISTICS = {"EVEN_K": _even_k, "EVEN_T": _even_t}
 _FWD_KEY = ["T_BUCKET", "K", "H", "MX", "XS_SWIZZLED", "WS_SWIZZLED"]
 _fwd_fixed = triton.heuristics(_HEURISTICS)(_mla_q_fwd_kernel)
 _fwd_tma_fixed = triton.heuristics({"EVEN_T": _even_t})(_mla_q_fwd_tma_kernel)
-_fwd_tuned = {mx: triton.autotune(configs=_fwd_configs(mx), key=_FWD_KEY)(_fwd_fixed) for mx in (False, True)}
-_fwd_tma_tuned = {mx: triton.autotune(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY)(_fwd_tma_fixed)
+_fwd_tuned = {mx: autotune_cached(configs=_fwd_configs(mx), key=_FWD_KEY)(_fwd_fixed) for mx in (False, True)}
+_fwd_tma_tuned = {mx: autotune_cached(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY)(_fwd_tma_fixed)
                   for mx in (False, True)}
 _FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=16, ROPE_SPLIT=True, num_warps=8, num_stages=4, maxnreg=128),
                 True: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=6)}

@@ -62,7 +62,7 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
                         encode, scale_byte, scale_multiplier, use_hw_cvt)
@@ -330,7 +330,7 @@ def _tune_bench(fn, quantiles):
 
 
 _quantize_heuristic = triton.heuristics({"MASKED": _masked})(_quantize_kernel)
-_quantize_tuned = triton.autotune(
+_quantize_tuned = autotune_cached(
     configs=_quantize_configs(),
     key=["M_BUCKET", "N_BUCKET", "X_KIND", "ROW", "COL", "ROW_SWIZZLED", "COL_SWIZZLED", "SCALE_MODE",
          "NAN_BLOCK", "IS_E5M2"],
@@ -617,7 +617,7 @@ def _dequantize_kernel(
 
 _dequantize_heuristic = triton.heuristics(
     {"MASKED": lambda a: a["M"] % a["BM"] != 0 or a["N"] % a["BN"] != 0})(_dequantize_kernel)
-_dequantize_tuned = triton.autotune(
+_dequantize_tuned = autotune_cached(
     configs=_quantize_configs(),
     key=["M_BUCKET", "N_BUCKET", "ROW", "SWIZZLED", "IS_E5M2", "OUT_BF16"],
     prune_configs_by={"early_config_prune": _prune_configs},

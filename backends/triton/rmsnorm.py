@@ -35,7 +35,7 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import widen_f32
 from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
 
@@ -166,7 +166,7 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
-_rmsnorm_tuned = triton.autotune(
+_rmsnorm_tuned = autotune_cached(
     configs=_configs(),
     key=["D", "T_BUCKET", "ZERO_CENTERED", "IS_E5M2"],
     prune_configs_by={"early_config_prune": _prune},

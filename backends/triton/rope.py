@@ -35,7 +35,7 @@ import triton.language as tl
 from spec.constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
 from ..registry import register
-from ._common import autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan, widen_f32
 
 _TORCH_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -270,7 +270,7 @@ def _fixed_config(n_heads: int, block_keep: int, block_half: int):
     return {"BLOCK_T": block_t, "BLOCK_H": block_h, "num_warps": 4}
 
 
-_rope_autotuned = triton.autotune(
+_rope_autotuned = autotune_cached(
     configs=_gpu_configs(),
     key=["TOK_BUCKET", "n_heads", "KEEP", "HALF", "IN_PAIRED", "OUT_PAIRED", "CONVERT_KEEP"],
     prune_configs_by={"early_config_prune": _prune},
