@@ -181,7 +181,11 @@ def validate(op: str, *args, backend: Optional[str] = None, **kwargs) -> None:
     # signature holds: shapes, dtypes, strides, scalar types and values); index values are still
     # checked per call where _values_checked says so
     key = (op, backend, call_signature(args, kwargs))
-    if key not in _validated:
+    try:
+        known = key in _validated
+    except TypeError:  # an unhashable backend= (a list): parse_backend_list below raises naming it
+        known = False
+    if not known:
         _check_op(op)
         if backend is not None:
             parse_backend_list(backend, "backend")
