@@ -234,10 +234,12 @@ RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "r
 # mxfp8_quantize: a strategy through DTensor's propagator (its list output has no register_sharding rule)
 # --------------------------------------------------------------------------------------------------
 
-def _quantize_strategy(op_schema):
+def _quantize_strategy(*args):
     """All-Replicate, or Shard(d) in and Shard(d) on every output (proxy, codes, compact scales) for an
-    axis d that is not blocked, or is blocked and splits into whole 32-element blocks on every rank."""
-    mesh = op_schema.get_mesh_from_args()
+    axis d that is not blocked, or is blocked and splits into whole 32-element blocks on every rank.
+    The propagator calls strategy functions with (op_schema); older torch releases with (mesh, op_schema)."""
+    op_schema = args[-1]
+    mesh = args[0] if len(args) == 2 else op_schema.get_mesh_from_args()
     x = op_schema.args_schema[0].strategies[0].output_spec
     axes, scale_layout = op_schema.args_schema[1], op_schema.args_schema[5]
     shape = tuple(x.tensor_meta.shape)
