@@ -552,3 +552,25 @@ def test_mxfp8_q_is_an_mxtensor_reaching_mla_attention(monkeypatch):
     logits(patched(tiny_model(), "mxfp8").eval(), token_ids())
     assert seen and all(s == ("MXTensor",) * 3 for s in seen)
 
+
+
+def test_triton_interpreter_mxfp8_path_small():
+    """The Triton kernels (interpreted on the CPU) behind the patch: one forward + backward at B1 S32,
+    logits and every attention gradient within the mxfp8 bounds of the unpatched model."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter test")
+    ref = tiny_model().train()
+    model = patch_deepseek_v3(copy.deepcopy(ref), path="mxfp8", backend="triton").train()
+    ids = token_ids(batch=1, seq=32)
+    loss_ref, loss = _loss(ref, ids), _loss(model, ids)
+    loss_ref.backward()
+    loss.backward()
+    assert_served(model)
+    assert abs(float(loss.detach()) - float(loss_ref.detach())) <= EPS_MX * float(loss_ref.detach())
+    named = dict(model.named_parameters())
+    for name, p_ref in ref.named_parameters():
+        if ".self_attn." in name:
+            g, g_ref = named[name].grad.double().flatten(), p_ref.grad.double().flatten()
+            cos = float(torch.nn.functional.cosine_similarity(g, g_ref, dim=0))
+            assert cos >= math.sqrt(1 - EPS_MX_GRAD ** 2), f"{name}: cosine {cos:.5f}"
