@@ -12,8 +12,10 @@ init (HF's own init, initializer_range 0.02), bf16 weights. Layer 0 is dense
 DeepSeek-V3's 18432 dense / MoE layers, so that the attention, the part mxmla changes, is most of
 the layer's time. Input [B=1, S=4096, 7168] bf16, cos / sin from HF's rotary embedding, mask None
 (sdpa: causal). Forward + backward (dL/dout a fixed random tensor; gradients of the input and of
-every weight) timed with CUDA events, the three variants in turns (unpatched, bf16, mxfp8, repeated
---rounds times, --iters calls each), median of all timed calls after --warmup calls per variant.
+every weight) timed with CUDA events, the variants in turns (unpatched; bf16; mxfp8, which
+re-quantizes q_b_proj's weight every call as one micro-batch per optimizer step does; mxfp8_cached,
+which reuses it as the later micro-batches of a gradient-accumulation step do), repeated --rounds
+times, --iters calls each, median of all timed calls after --warmup calls per variant.
 Peak memory: torch.cuda.max_memory_allocated during one forward + backward, minus what was
 allocated before it (weights, grads, input).
 
@@ -44,6 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 VARIANTS = ("unpatched", "bf16", "mxfp8")
+# Layer timing: "mxfp8" re-quantizes q_b_proj's weight every call (one micro-batch per optimizer step);
+# "mxfp8_cached" reuses it (the later micro-batches of a gradient-accumulation step).
+LAYER_VARIANTS = VARIANTS + ("mxfp8_cached",)
 
 
 def parse_args(argv=None):
@@ -91,7 +96,8 @@ def _config(smoke: bool, **kw):
 def _patch(module, variant, backend):
     from dispatch.integrations.transformers import patch_deepseek_v3
 
-    return module if variant == "unpatched" else patch_deepseek_v3(module, path=variant, backend=backend)
+    path = variant.split("_")[0]
+    return module if path == "unpatched" else patch_deepseek_v3(module, path=path, backend=backend)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,12 +141,16 @@ def bench_layer(args, device) -> dict:
     grad_out = torch.randn(h.shape, generator=gen).to(device, dtype)
     position_ids = torch.arange(args.seq, device=device)[None]
     cos, sin = rotary(h, position_ids)
-    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in VARIANTS}
+    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in LAYER_VARIANTS}
     del base
-    inputs = {v: h.clone().requires_grad_(True) for v in VARIANTS}
+    inputs = {v: h.clone().requires_grad_(True) for v in LAYER_VARIANTS}
+
+    from dispatch.weights import invalidate
 
     def step(variant):
         layer, x = layers[variant], inputs[variant]
+        if variant == "mxfp8":
+            invalidate(layer.self_attn.q_b_proj.weight)
         out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
         out.backward(grad_out)
 
@@ -150,9 +160,9 @@ def bench_layer(args, device) -> dict:
             p.grad = None
 
     clock = _Clock(cuda)
-    times = {v: [] for v in VARIANTS}
+    times = {v: [] for v in LAYER_VARIANTS}
     first_call_s = {}
-    for v in VARIANTS:  # warm-up (compiles, autotunes, fills the weight caches)
+    for v in LAYER_VARIANTS:  # warm-up (compiles, autotunes, fills the weight caches)
         t0 = time.perf_counter()
         step(v)
         if cuda:
@@ -161,11 +171,11 @@ def bench_layer(args, device) -> dict:
         for _ in range(args.warmup - 1):
             step(v)
     for _ in range(args.rounds):
-        for v in VARIANTS:
+        for v in LAYER_VARIANTS:
             for _ in range(args.iters):
                 times[v].append(clock.time_ms(lambda: step(v)))
     peak = {}
-    for v in VARIANTS:
+    for v in LAYER_VARIANTS:
         clear(v)
         if cuda:
             torch.cuda.synchronize()
@@ -181,23 +191,23 @@ def bench_layer(args, device) -> dict:
     # outputs agree: one forward of each variant against the unpatched one
     with torch.no_grad():
         outs = {v: layers[v](h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
-                for v in VARIANTS}
+                for v in LAYER_VARIANTS}
     ref = outs["unpatched"].float()
-    rel = {v: float((outs[v].float() - ref).norm() / ref.norm()) for v in VARIANTS}
-    grads = {v: inputs[v].grad.float() for v in VARIANTS}
+    rel = {v: float((outs[v].float() - ref).norm() / ref.norm()) for v in LAYER_VARIANTS}
+    grads = {v: inputs[v].grad.float() for v in LAYER_VARIANTS}
     grad_cos = {v: float(torch.nn.functional.cosine_similarity(grads[v].flatten(), grads["unpatched"].flatten(), dim=0))
-                for v in VARIANTS}
+                for v in LAYER_VARIANTS}
     from dispatch.integrations.transformers import patch_state
 
-    fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in VARIANTS if v != "unpatched"}
-    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in LAYER_VARIANTS if v != "unpatched"}
+    med = {v: statistics.median(times[v]) for v in LAYER_VARIANTS}
     return {
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "q_lora_rank": config.q_lora_rank,
                   "kv_lora_rank": config.kv_lora_rank, "mlp": f"dense DeepseekV3MLP, intermediate {args.intermediate}",
                   "dtype": "bfloat16"},
         "ms_median": med, "ms_all": times, "first_call_s": first_call_s, "peak_gib": peak,
-        "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in VARIANTS},
+        "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in LAYER_VARIANTS},
         "out_rel_err_vs_unpatched": rel, "input_grad_cosine_vs_unpatched": grad_cos, "fallbacks": fallbacks,
     }
 
@@ -287,11 +297,12 @@ def _table(res: dict) -> str:
         s = layer["shape"]
         lines.append(f"DeepseekV3DecoderLayer fwd+bwd, B{s['batch']} S{s['seq']} hidden {s['hidden']} H{s['heads']} "
                      f"({s['mlp']}), {res['device']}")
-        lines.append(f"  {'variant':10} {'ms':>9} {'vs sdpa':>8} {'peak GiB':>9} {'out rel err':>12}")
-        for v in VARIANTS:
+        lines.append(f"  {'variant':12} {'ms':>9} {'vs sdpa':>8} {'peak GiB':>9} {'out rel err':>12}")
+        for v in LAYER_VARIANTS:
             peak = layer["peak_gib"][v]
-            lines.append(f"  {v:10} {layer['ms_median'][v]:9.2f} {layer['speedup_vs_unpatched'][v]:7.3f}x "
+            lines.append(f"  {v:12} {layer['ms_median'][v]:9.2f} {layer['speedup_vs_unpatched'][v]:7.3f}x "
                          f"{'n/a' if peak is None else f'{peak:.2f}':>9} {layer['out_rel_err_vs_unpatched'][v]:12.2e}")
+        lines.append("  (mxfp8: q_b_proj re-quantized every call, one micro-batch per step; mxfp8_cached: reused)")
         if any(layer["fallbacks"].values()):
             lines.append(f"  FALLBACKS: {layer['fallbacks']}")
     tr = res.get("train")
