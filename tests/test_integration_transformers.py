@@ -574,3 +574,33 @@ def test_triton_interpreter_mxfp8_path_small():
             g, g_ref = named[name].grad.double().flatten(), p_ref.grad.double().flatten()
             cos = float(torch.nn.functional.cosine_similarity(g, g_ref, dim=0))
             assert cos >= math.sqrt(1 - EPS_MX_GRAD ** 2), f"{name}: cosine {cos:.5f}"
+
+
+def test_gradient_checkpointing_recomputes_through_the_patch(monkeypatch):
+    """HF's activation checkpointing re-runs each decoder layer in the backward, patched forward
+    included; the recomputation is deterministic on the CPU, so the gradients are equal bytes, and
+    the recomputation reuses the cached weight copy (one quantization per layer)."""
+    ref = tiny_model()
+    plain = patched(ref, "mxfp8").train()
+    ckpt = patched(ref, "mxfp8").train()
+    if hasattr(ckpt, "activation_checkpointing_enable"):
+        ckpt.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = token_ids()
+    _loss(plain, ids).backward()
+    calls = []
+    real_run = dispatch.run
+
+    def spy(op, *args, **kw):
+        if op == "mxfp8_quantize" and tuple(args[0].shape) == (2 * 192, 64):
+            calls.append(op)
+        return real_run(op, *args, **kw)
+
+    monkeypatch.setattr(dispatch, "run", spy)
+    _loss(ckpt, ids).backward()
+    assert patch_state(ckpt).served == 4  # 2 layers, forward and recomputation
+    assert len(calls) == 2
+    for (name, p), (_, q) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        if ".self_attn." in name:
+            assert_bytes_equal(q.grad, p.grad, name)
