@@ -113,6 +113,63 @@ def grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------------
+# Eager calls: the same implementation and autograd rules without the custom op's dispatch
+# --------------------------------------------------------------------------------------------------
+# A torch.library custom op costs a few hundred microseconds of host time per call in eager mode
+# (argument boxing, schema defaults, pytree plumbing of its autograd wrapper; H200 host, measured with
+# tools/profile_block_ops.py), which left the MXFP8 block's forward bound by the host. Calls whose
+# tensors are all plain torch.Tensors, outside torch.compile, therefore run the op's own function under
+# a torch.autograd.Function with the op's registered setup_context / backward; everything else (compile
+# tracing, FakeTensor, DTensor and other subclasses) goes through the custom op, so graphs, fake
+# kernels and sharding rules still see the op.
+
+_EAGER_RULES: dict = {}  # custom op -> (setup_context, backward) as registered with register_autograd
+
+
+def _register_autograd(op, backward, setup_context) -> None:
+    op.register_autograd(backward, setup_context=setup_context)
+    _EAGER_RULES[op] = (setup_context, backward)
+
+
+def _plain(args) -> bool:
+    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling."""
+    if torch.compiler.is_compiling():
+        return False
+    for a in args:
+        # exact classes: a DTensor parameter passes isinstance(Parameter) but is a DTensor
+        if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
+            return False
+    return True
+
+
+class _EagerOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, *args):
+        out = op._init_fn(*args)
+        setup, backward = _EAGER_RULES[op]
+        setup(ctx, args, out)
+        ctx.mx_rule = (backward, isinstance(out, list))
+        return tuple(out) if isinstance(out, list) else out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        backward, list_output = ctx.mx_rule
+        res = backward(ctx, list(grads)) if list_output else backward(ctx, *grads)
+        res = res if isinstance(res, tuple) else (res,)
+        return (None, *res)
+
+
+def _call(op, *args):
+    """op(*args) -- through _EagerOp (or, for an op without autograd, its function) for plain eager
+    calls (see above). A List[Tensor] result comes back as a tuple on that path; callers index it."""
+    if _plain(args):
+        if op in _EAGER_RULES:
+            return _EagerOp.apply(op, *args)
+        return op._init_fn(*args)
+    return op(*args)
+
+
+# --------------------------------------------------------------------------------------------------
 # Operand slots: how a plain tensor or an MXTensor crosses a custom-op boundary
 # --------------------------------------------------------------------------------------------------
 # Each operand is four arguments: value (the plain tensor, or the MXFP8 operand's gradient proxy, or
@@ -234,7 +291,7 @@ def _quantize_backward(ctx, grads):
     return (None if g is None else g.to(ctx.x_dtype)), None, None, None, None, None, None
 
 
-_quantize_op.register_autograd(_quantize_backward, setup_context=_quantize_setup)
+_register_autograd(_quantize_op, _quantize_backward, _quantize_setup)
 
 
 def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = "e4m3", scale_mode: str = "rceil",
@@ -245,7 +302,7 @@ def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = 
               scale_layout=scale_layout, backend=backend)
     as_tuple = isinstance(axis, (tuple, list))
     axes = [int(a) for a in axis] if as_tuple else [int(axis)]
-    out = _quantize_op(x, axes, elem, scale_mode, nonfinite, scale_layout, backend)
+    out = _call(_quantize_op, x, axes, elem, scale_mode, nonfinite, scale_layout, backend)
     proxy = out[0]
     tensors = tuple(_tracked(out[1 + 2 * i], out[2 + 2 * i], a % x.dim(), elem, scale_layout, proxy)
                     for i, a in enumerate(axes))
@@ -274,14 +331,14 @@ def _dequantize_backward(ctx, grad):
     return g, None, None, None, None, None
 
 
-_dequantize_op.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+_register_autograd(_dequantize_op, _dequantize_backward, _dequantize_setup)
 
 
 def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32", backend: Optional[str] = None) -> Tensor:
     """Dequantized values of t; the gradient goes straight through to t's proxy (if tracked)."""
     _validate("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend)
     value, codes, scales, fmt = _slots(t)
-    return _dequantize_op(value, codes, scales, fmt, out_dtype, backend)
+    return _call(_dequantize_op, value, codes, scales, fmt, out_dtype, backend)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -331,12 +388,12 @@ def _rope_backward(ctx, grad):
     style, layout, cp_size, cp_rank, x_dtype, backend = ctx.options
     # The gradient arrives in the output's dtype; rope_backward accepts any float dtype, and out_dtype
     # returns dx in x's dtype (one rounding from the fp32 result).
-    dx = _rope_backward_op(grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size,
+    dx = _call(_rope_backward_op, grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size,
                            cp_rank, x_dtype, backend)
     return (dx,) + (None,) * 11
 
 
-_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+_register_autograd(_rope_op, _rope_backward, _rope_setup)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, style: str = "mla", layout: str = "thd",
@@ -347,7 +404,7 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, style: str = "mla", layout: str = 
     _validate("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens, positions=positions,
               start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out_dtype=out_dtype,
               backend=backend)
-    return _rope_op(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, int(cp_size),
+    return _call(_rope_op, x, cos, sin, style, layout, cu_seqlens, positions, start_positions, int(cp_size),
                     int(cp_rank), out_dtype, backend)
 
 
@@ -435,7 +492,7 @@ def _mla_q_backward(ctx, dq, *_unused_integer_grads):
     x, x_codes, x_scales, w, w_codes, w_scales, cos, sin = ctx.saved_tensors
     x_format, w_format = ctx.formats
     quantize_grad, backend = ctx.options
-    dx, dw = _mla_q_backward_op(dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
+    dx, dw = _call(_mla_q_backward_op, dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
                                 quantize_grad, backend)
     if ctx.x_dtype is not None:
         none[0] = dx.to(ctx.x_dtype)
@@ -444,7 +501,7 @@ def _mla_q_backward(ctx, dq, *_unused_integer_grads):
     return tuple(none)
 
 
-_mla_q_op.register_autograd(_mla_q_backward, setup_context=_mla_q_setup)
+_register_autograd(_mla_q_op, _mla_q_backward, _mla_q_setup)
 
 
 def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool = False,
@@ -463,7 +520,7 @@ def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool =
             if isinstance(operand, MXTensor) and copy is None:
                 raise ValueError(f"{name}: the MXFP8 backward (quantize_grad=True) of an MXFP8 {name} needs {what}")
     x_slots, w_slots = _slots(x), _slots(w)
-    out = _mla_q_op(*x_slots, *w_slots, cos, sin, *_mx_slots(x_t), *_mx_slots(w_n), bool(quantize_grad), backend)
+    out = _call(_mla_q_op, *x_slots, *w_slots, cos, sin, *_mx_slots(x_t), *_mx_slots(w_n), bool(quantize_grad), backend)
     proxy, row_codes, row_scales, col_codes, col_scales = out
     return (_tracked(row_codes, row_scales, 2, "e4m3", "compact", proxy),
             _tracked(col_codes, col_scales, 0, "e4m3", "compact", proxy))
@@ -526,7 +583,7 @@ def _rmsnorm_backward(ctx, dy, *_unused):
     return dx, dgamma, None, None, None, None
 
 
-_rmsnorm_op.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+_register_autograd(_rmsnorm_op, _rmsnorm_backward, _rmsnorm_setup)
 
 
 def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gamma: bool = False,
@@ -536,7 +593,7 @@ def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gam
     through `rmsnorm_backward`. rstd has no gradient."""
     _validate("rmsnorm_mxfp8", x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma, elem=elem,
               backend=backend)
-    proxy, row_codes, row_scales, col_codes, col_scales, rstd = _rmsnorm_op(
+    proxy, row_codes, row_scales, col_codes, col_scales, rstd = _call(_rmsnorm_op,
         x, gamma, float(eps), bool(zero_centered_gamma), elem, backend)
     return (_tracked(row_codes, row_scales, 1, elem, "compact", proxy),
             _tracked(col_codes, col_scales, 0, elem, "compact", proxy), rstd)
@@ -624,7 +681,7 @@ def _attention_backward(ctx, do, _lse_grad):
      cu_seqlens_kv) = ctx.saved_tensors
     q_format, k_format, v_format = ctx.formats
     causal, softmax_scale, layout, backend = ctx.options
-    grads = _attention_backward_op(do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
+    grads = _call(_attention_backward_op, do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
                                    v_scales, v_format, o, lse, causal, softmax_scale, layout, cu_seqlens_q,
                                    cu_seqlens_kv, backend)
     for slot, grad, dtype in zip((0, 4, 8), grads, ctx.dtypes):
@@ -633,7 +690,7 @@ def _attention_backward(ctx, do, _lse_grad):
     return tuple(none)
 
 
-_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+_register_autograd(_attention_op, _attention_backward, _attention_setup)
 
 
 def mla_attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, layout: str = "bshd",
@@ -643,7 +700,7 @@ def mla_attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] 
     receive gradients through their proxies). o is differentiable, lse is not."""
     _validate("mla_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=backend)
-    return _attention_op(*_slots(q), *_slots(k), *_slots(v), bool(causal),
+    return _call(_attention_op, *_slots(q), *_slots(k), *_slots(v), bool(causal),
                          None if softmax_scale is None else float(softmax_scale), layout, cu_seqlens_q,
                          cu_seqlens_kv, backend)
 
