@@ -323,10 +323,13 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
         cache.update(kv_nope.view(batch, 1, seq, self.kv_lora_rank), k_rot.view(batch, 1, seq, ROPE_DIM),
                      self.layer_idx)
 
-    kv = self.kv_b_proj(kv_nope).view(batch, seq, self.num_heads, NOPE_DIM + V_DIM)
+    # heads from the tensors, as HF's views do (-1): a tensor-parallel shard holds fewer than num_heads
+    kv = self.kv_b_proj(kv_nope).view(batch, seq, -1, NOPE_DIM + V_DIM)
+    heads = kv.shape[2]
     k_nope, v = kv[..., :NOPE_DIM], kv[..., NOPE_DIM:]
-    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM).expand(batch, seq, self.num_heads, ROPE_DIM)
+    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM).expand(batch, seq, heads, ROPE_DIM)
     k = torch.cat([k_nope, k_rot], dim=-1)                                                    # [B, S, H, 192]
+    st.attention.softmax_scale = float(self.scaling)  # read per call, as HF's forward does
     o, _ = st.attention(q, k, v, causal=causal)                                               # [B, S, H, 128]
-    out = self.o_proj(o.reshape(batch, seq, self.num_heads * V_DIM).to(hidden_states.dtype))
+    out = self.o_proj(o.reshape(batch, seq, heads * V_DIM).to(hidden_states.dtype))
     return out, None
