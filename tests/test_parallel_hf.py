@@ -1,8 +1,8 @@
 """A tiny Hugging Face DeepseekV3ForCausalLM patched by `patch_deepseek_v3`, trained 10 steps under TP=2
 and under CP=2 (gloo, 2 ranks), against the same training in one process.
 
-The model: 2 dense layers, hidden 256, 4 heads with DeepSeek-V3's head dims (128 + 64 / 128),
-q_lora 64, kv_lora 64, fp32 master weights (tests/test_integration_transformers.tiny_model); batch 2 x
+The model: 2 dense layers, hidden 128, 4 heads with DeepSeek-V3's head dims (128 + 64 / 128),
+q_lora 64, kv_lora 64, fp32 master weights (tests/test_integration_transformers.tiny_model); batch 1 x
 128 tokens, AdamW lr 3e-4, loss = summed next-token cross entropy over the global token count.
 - TP=2: `parallelize_module(model, mesh, deepseek_v3_tp_plan())` after patching.
 - CP=2: each layer's attention core replaced by `ContextParallelAttention`; the rank's tokens are
@@ -13,9 +13,9 @@ Every attention call must be served by mxmla (no fallback).
 
 Bound: the losses are the one-process losses up to rounding order (all-reduced sums of bf16 partial
 gradients, ring blocks merged through lse); before any update (step 0) within 2e-3 relative (a few bf16
-roundings of the logits' inputs, 2^-9 each, averaged over the tokens); over the 10 steps the updates
-carry those differences forward, and 2e-2 relative is 4x the largest measured (4.8e-3, TP mxfp8;
-step 0: at most 5.7e-5, CP mxfp8). The loss must also fall (last < half of the first): the model trains.
+roundings of the logits' inputs, 2^-9 each, averaged over the tokens; measured at most 6e-5); over the
+10 steps the updates carry those differences forward, and 1e-2 relative is 6x the largest measured
+(1.5e-3, mxfp8 TP and CP). The loss must also fall (last < half of the first): the model trains.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from tests.parallel_spawn import checked, result_of, run_ranks  # noqa: E402
 from tests.test_integration_transformers import tiny_model, token_ids  # noqa: E402
 
 STEPS, LR, SEQ = 10, 3e-4, 128  # S 128: under CP=2 each MXFP8 v chunk is 32 tokens, one whole block
-FIRST_BOUND, BOUND = 2e-3, 2e-2
+FIRST_BOUND, BOUND = 2e-3, 1e-2
 
 
 def _train(model, ids, targets, count, reduce_grads=False, **kw):
@@ -60,7 +60,7 @@ def _train(model, ids, targets, count, reduce_grads=False, **kw):
 
 
 def _data():
-    ids = token_ids(seq=SEQ)
+    ids = token_ids(batch=1, seq=SEQ)
     batch, seq = ids.shape
     targets = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)  # shifted before any sharding
     return ids, targets, batch * (seq - 1)
@@ -72,7 +72,7 @@ def _served(model):
 
 
 def _reference(path):
-    base = tiny_model(0, num_attention_heads=4, num_key_value_heads=4)
+    base = tiny_model(0, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4)
     ids, targets, count = _data()
     return base, _train(patch_deepseek_v3(copy.deepcopy(base), path=path, backend="torch"), ids, targets, count)
 
