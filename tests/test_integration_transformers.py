@@ -45,7 +45,6 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf  # noqa: E402
 
 import dispatch  # noqa: E402
-import dispatch.autograd as mxag  # noqa: E402
 from dispatch.integrations.transformers import patch_deepseek_v3, patch_state, unpatch_deepseek_v3  # noqa: E402
 from tests.util import assert_bytes_equal  # noqa: E402
 
