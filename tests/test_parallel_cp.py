@@ -13,6 +13,8 @@ bf16 rounding per block result (each block's o and gradients come back in bf16 b
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ from dispatch.parallel import (  # noqa: E402
     shard_sequence,
     unshard_sequence,
 )
+
 from tests.conformance.test_attention import BF16_BOUND, LSE_ABS_BOUND, make_inputs  # noqa: E402
 from tests.parallel_spawn import checked, result_of, run_ranks  # noqa: E402
 from tests.util import assert_bytes_equal, random_magnitudes, special_values_f32  # noqa: E402
@@ -57,34 +60,43 @@ def _quantized(q, k, v, layout):
             mxag.mxfp8_quantize(v, axis=_seq(layout)))
 
 
-def _errors(o, lse, leaves, ref_o, ref_lse, ref_leaves, layout):
+def _errors(o, lse, leaves, ref_o, ref_lse, ref_leaves, layout, group=None):
     seq = _seq(layout)
-    errs = {"o": _rel(o, shard_sequence(ref_o, seq)),
-            "lse": float((lse - shard_sequence(ref_lse, 2)).abs().max())}
+    errs = {"o": _rel(o, shard_sequence(ref_o, seq, group)),
+            "lse": float((lse - shard_sequence(ref_lse, 2, group)).abs().max())}
     for name, leaf, ref in zip(GRAD_NAMES, leaves, ref_leaves):
-        errs[name] = _rel(leaf.grad, shard_sequence(ref.grad, seq))
+        errs[name] = _rel(leaf.grad, shard_sequence(ref.grad, seq, group))
     return errs
 
 
-def _cp_case(seed, layout, mxfp8, batch=B):
-    """Errors of this rank's CP shard against the one-process result (causal, load-balanced)."""
+def _pair_groups():
+    """Ranks {0, 1}, {2, 3}, ... as process groups (every rank creates every group); this rank's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    return groups[rank // 2]
+
+
+def _cp_case(seed, layout, mxfp8, batch=B, group=None):
+    """Errors of this rank's CP shard against the one-process result (causal, load-balanced), the ring
+    over `group` (None: all ranks)."""
     seq = _seq(layout)
+    shard = functools.partial(shard_sequence, group=group)
     q, k, v, do = _inputs(seed, layout, batch)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     ops = _quantized(*ref, layout) if mxfp8 else ref
     ref_o, ref_lse = mxag.mla_attention(*ops, causal=True, layout=layout)
     ref_o.backward(do)
-    local = [shard_sequence(t, seq).requires_grad_() for t in (q, k, v)]
+    local = [shard(t, seq).requires_grad_() for t in (q, k, v)]
     ops = _quantized(*local, layout) if mxfp8 else local
     if mxfp8:  # quantizing the shard equals sharding the quantized sequence (whole blocks either way)
         whole = _quantized(q, k, v, layout)
         for name, mine, full in zip("qkv", ops, whole):
-            theirs = shard_sequence(full, seq)
+            theirs = shard(full, seq)
             assert_bytes_equal(mine.data.view(torch.uint8), theirs.data.view(torch.uint8), f"{name} codes")
             assert_bytes_equal(mine.scale, theirs.scale, f"{name} scales")
-    o, lse = context_parallel_attention(*ops, causal=True, layout=layout)
-    o.backward(shard_sequence(do, seq))
-    return _errors(o, lse, local, ref_o, ref_lse, ref, layout)
+    o, lse = context_parallel_attention(*ops, group=group, causal=True, layout=layout)
+    o.backward(shard(do, seq))
+    return _errors(o, lse, local, ref_o, ref_lse, ref, layout, group)
 
 
 def _cp_not_causal(seed):
@@ -180,6 +192,8 @@ def _rank_checks(rank, world):
         checked(results, "bf16 sbhd", _cp_case, 13, "sbhd", False, 2)
         checked(results, "mxfp8 sbhd", _cp_case, 14, "sbhd", True, 2)
         checked(results, "not causal", _cp_not_causal, 15)
+    if world == 4:  # two rings of 2 ranks each (subgroups: peers named by their global ranks)
+        checked(results, "bf16 bshd pairs", _cp_case, 16, "bshd", False, B, _pair_groups())
     checked(results, "round trip", _round_trip)
     checked(results, "positions", _positions)
     checked(results, "bad inputs", _bad_inputs)
@@ -202,7 +216,7 @@ def ranks(request):
 
 
 CASES = [(2, c) for c in ("bf16 bshd", "mxfp8 bshd", "bf16 sbhd", "mxfp8 sbhd", "not causal")]
-CASES += [(4, c) for c in ("bf16 bshd", "mxfp8 bshd")]
+CASES += [(4, c) for c in ("bf16 bshd", "mxfp8 bshd", "bf16 bshd pairs")]
 
 
 @pytest.mark.parametrize("world, case", CASES, ids=[f"W{w}-{c}" for w, c in CASES])
