@@ -77,7 +77,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_cached, env_choice, env_flag, interpret_mode, triton_reasons
+from ._common import env_choice, env_flag, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
 from .quantize import dequantize_bf16_flat
@@ -356,14 +356,14 @@ def _autotune_enabled() -> bool:
 
 
 _KEY = ["M_BUCKET", "N", "K", "A_SWIZZLED", "B_SWIZZLED", "OUT_DTYPE"]
-_gemm_sm90 = autotune_cached(configs=_sm90_configs(), key=_KEY)(
+_gemm_sm90 = triton.autotune(configs=_sm90_configs(), key=_KEY)(
     triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_kernel))
 _gemm_sm90_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_kernel)
-_gemm_sm100 = autotune_cached(configs=_sm100_configs(), key=_KEY + ["A_FORMAT", "B_FORMAT"])(
+_gemm_sm100 = triton.autotune(configs=_sm100_configs(), key=_KEY + ["A_FORMAT", "B_FORMAT"])(
     triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel))
 _gemm_sm100_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel)
 
-_gemm_tma = autotune_cached(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "OUT_DTYPE"])(_mxfp8_gemm_tma_kernel)
+_gemm_tma = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "OUT_DTYPE"])(_mxfp8_gemm_tma_kernel)
 _FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=6)
 _FIXED_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 _FIXED_SM100 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
