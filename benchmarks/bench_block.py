@@ -67,6 +67,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps per path per round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which the paths take turns")
     ap.add_argument("--first-step", action="store_true", help="also time the first step in fresh processes")
+    ap.add_argument("--first-step-only", action="store_true", help="only the first-step times (no timed steps)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
     ap.add_argument("--host-profile", action="store_true", help="also a host-time table by op per path")
     ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
@@ -277,7 +278,22 @@ def first_steps(shape, path, backend, smoke) -> dict:
     return out
 
 
+def measure_first_steps(rec: benchlib.Recorder, args) -> None:
+    for b, s in args.shape_list:
+        for path in args.paths:
+            fs = first_steps((b, s), path, args.backend, args.smoke)
+            rec.row(op="mla_block first step", shape=f"B{b} S{s}", impl=path, path=path, tokens=b * s,
+                    first_step_fresh_s=fs.get("fresh"), first_step_second_s=fs.get("second"),
+                    fresh_process_s=fs.get("fresh_process_s"), second_process_s=fs.get("second_process_s"))
+            for key in ("fresh_error", "second_error"):
+                if fs.get(key):
+                    rec.note(f"B{b} S{s} {path} first step ({key}): {fs[key]}")
+
+
 def measure(rec: benchlib.Recorder, args) -> None:
+    if args.first_step_only:
+        measure_first_steps(rec, args)
+        return
     for b, s in args.shape_list:
         cfg = block_config(b, s, args.smoke)
         label = f"B{b} S{s}"
@@ -335,7 +351,8 @@ def measure(rec: benchlib.Recorder, args) -> None:
 COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
            ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
            ("vs_bf16", "vs bf16", 8, ".3f"), ("host_ms", "host ms", 8, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
-           ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f")]
+           ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f"),
+           ("fresh_process_s", "fresh proc s", 12, ".1f")]
 
 
 def main(args) -> None:
