@@ -5,14 +5,7 @@
 # Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP (seconds each, SIGINT at the cap).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source tools/gpu_env.sh
 COMMIT=${MXMLA_COMMIT:-unknown}
 echo "commit $COMMIT  date $(date -u +%F)  $(nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader)"
 summary=()

@@ -5,14 +5,7 @@
 # Writes logs and JSON under $OUT (or ./gpu_out when $OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source tools/gpu_env.sh
 PHASES=${*:-info test sanitize bench}
 # .git does not travel to the device machine: pass MXMLA_COMMIT=<local hash> in the command.
 COMMIT=${MXMLA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}

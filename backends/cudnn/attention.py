@@ -126,7 +126,14 @@ def _bf16_reasons(q, k, v, layout, extra) -> List[str]:
     reasons += _common.capability_reasons(dev, "cudnn graph SDPA (bf16, d_qk 192 / d_v 128)", min_cc=(9, 0))
     reasons += _version_reasons(MIN_CUDNN_BF16, "cudnn bf16 SDPA with head dim 192 (the frontend refuses the "
                                 "9.10.0/9.10.1 backward)")
-    for name, t in (("q", q), ("k", k), ("v", v)) + tuple(extra):
+    return reasons + _bf16_graph_reasons(q, k, v, layout, (("q", q), ("k", k), ("v", v)) + tuple(extra))
+
+
+def _bf16_graph_reasons(q, k, v, layout, bf16_tensors) -> List[str]:
+    """The bf16 graph's conditions past device and version: bf16_tensors ((name, tensor) pairs) bf16 with
+    usable strides, the MLA head dims, thd's int32 ragged offsets, a nonempty batch and sequence."""
+    reasons = []
+    for name, t in bf16_tensors:
         if t.dtype != torch.bfloat16:
             reasons.append(f"{name}: the cudnn graph SDPA path takes bfloat16, got {t.dtype}")
         reasons += _stride_reasons(name, t, layout, 8)
@@ -139,9 +146,8 @@ def _bf16_reasons(q, k, v, layout, extra) -> List[str]:
             if t.shape[0] * heads * d >= 2**31:
                 reasons.append(f"{name}: T * H * {d} = {t.shape[0] * heads * d} does not fit the int32 ragged "
                                f"offsets this backend builds")
-    else:
-        if 0 in (q.shape[0], q.shape[1], k.shape[0], k.shape[1]):
-            reasons.append("empty batch or sequence: nothing for cuDNN to do (use the torch backend)")
+    elif 0 in (q.shape[0], q.shape[1], k.shape[0], k.shape[1]):
+        reasons.append("empty batch or sequence: nothing for cuDNN to do (use the torch backend)")
     return reasons
 
 
@@ -187,22 +193,7 @@ def _dequantized_reasons(q, k, v, layout, extra) -> List[str]:
     dev = _common.first_device((q, k, v))
     reasons += _common.capability_reasons(dev, "cudnn graph SDPA on dequantized MXFP8 (bf16 graph)", min_cc=(9, 0))
     reasons += _version_reasons(MIN_CUDNN_BF16, "cudnn bf16 SDPA with head dim 192")
-    if q.shape[-1] != D_QK or k.shape[-1] != D_QK or v.shape[-1] != D_V:
-        reasons.append(f"cudnn serves the MLA head dims d_qk {D_QK} / d_v {D_V} only, got "
-                       f"{q.shape[-1]} / {v.shape[-1]}")
-    for name, t in extra:
-        if t.dtype != torch.bfloat16:
-            reasons.append(f"{name}: the cudnn graph SDPA path takes bfloat16, got {t.dtype}")
-        reasons += _stride_reasons(name, t, layout, 8)
-    if layout == "thd":
-        heads = q.shape[1]
-        for name, t, d in (("q", q, D_QK), ("k", k, D_QK)):
-            if t.shape[0] * heads * d >= 2**31:
-                reasons.append(f"{name}: T * H * {d} = {t.shape[0] * heads * d} does not fit the int32 ragged "
-                               f"offsets this backend builds")
-    elif 0 in (q.shape[0], q.shape[1], k.shape[0], k.shape[1]):
-        reasons.append("empty batch or sequence: nothing for cuDNN to do (use the torch backend)")
-    return reasons
+    return reasons + _bf16_graph_reasons(q, k, v, layout, tuple(extra))
 
 
 def mx_route(q, k, v, causal, layout, backward: bool, extra=()) -> Tuple[Optional[str], List[str]]:
