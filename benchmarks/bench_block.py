@@ -78,8 +78,8 @@ def parse_args(argv=None):
     bad = [p for p in paths if p not in PATHS]
     if bad or not paths:
         ap.error(f"--paths: expected names from {', '.join(PATHS)}, got {args.paths!r}")
-    if args.no_compile and "compile" in paths:
-        paths.remove("compile")
+    if "compile" in paths and (args.no_compile or (args.smoke and args.paths == ",".join(PATHS))):
+        paths.remove("compile")  # --smoke: torch.compile on a CPU means a C++ toolchain and minutes
     args.paths = paths
     if args.shapes:
         args.shape_list = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
