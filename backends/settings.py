@@ -44,11 +44,15 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "0: codes widened to fp16 first"),
     Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
-    Switch("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto",
-           "triton: gemm.gemm_variant", "forces one sm89/sm90 route of mxfp8_gemm"),
-    Switch("MXMLA_TRITON_MLA_Q_VARIANT", ("auto", "gluon", "gluon_ws", "gluon_ws128", "tma", "pointer"), "auto",
-           "triton: mla_q.forward_variant", "forces one kernel of the fused mla_q forward"),
 )}
+
+# Switches that were removed: kernel variants are named in MXMLA_BACKEND's grammar now. Setting one
+# raises (at the next selection) with the replacement, instead of being ignored.
+REMOVED = {
+    "MXMLA_TRITON_GEMM_VARIANT": "name the variant in MXMLA_BACKEND, e.g. MXMLA_BACKEND='mxfp8_gemm=triton:tma'",
+    "MXMLA_TRITON_MLA_Q_VARIANT": "name the variant in MXMLA_BACKEND, e.g. "
+                                  "MXMLA_BACKEND='mla_q_uproj_rope_quant=triton:gluon_ws128'",
+}
 
 # Not mxmla's own: Triton reads it (1 / true / on, any case, as Triton's getenv_bool does); mxmla's
 # capability checks read it the same way to know that kernels run on the CPU.
@@ -91,7 +95,11 @@ def interpret_mode() -> bool:
 
 
 def check_all() -> None:
-    """Parse every word- and flag-valued switch; the first bad one raises, naming the variable."""
+    """Parse every word- and flag-valued switch; the first bad one (or a removed one that is set)
+    raises, naming the variable."""
+    for name, instead in REMOVED.items():
+        if _raw(name):
+            raise ValueError(f"environment variable {name} was removed: {instead}")
     for sw in SWITCHES.values():
         if sw.values is not None:
             choice(sw.name)

@@ -1,5 +1,6 @@
 """A hashable call signature: what a capability check may depend on (dtype, shape, strides, device,
-MXFP8 state, scalar keyword values), and nothing that needs the data itself.
+whether the data pointer is 16-byte aligned (TMA kernel variants need it), MXFP8 state, scalar
+keyword values), and nothing that needs the data itself.
 
 Scalars enter with their type: True == 1 == 1.0 in Python (equal hashes too), so without the type a
 call with eps=True would find the entry cached by eps=1.0 and skip the validation that rejects it.
@@ -24,7 +25,7 @@ _SCALARS = (int, float, str, bool, type(None))
 
 def _value_sig(v: Any):
     if isinstance(v, _Tensor):
-        return (v.dtype, v.shape, v.stride(), v.device)
+        return (v.dtype, v.shape, v.stride(), v.device, v.data_ptr() % 16)
     if type(v) in _SCALARS:
         return (type(v), v)
     if isinstance(v, MXTensor):
@@ -47,14 +48,14 @@ def call_signature(args: tuple, kwargs: dict):
     sig = []
     for v in args:
         if isinstance(v, _Tensor):
-            sig.append((v.dtype, v.shape, v.stride(), v.device))
+            sig.append((v.dtype, v.shape, v.stride(), v.device, v.data_ptr() % 16))
         else:
             sig.append(_value_sig(v))
     for k, v in kwargs.items():
         if type(v) in _SCALARS:
             sig.append((k, type(v), v))
         elif isinstance(v, _Tensor):
-            sig.append((k, v.dtype, v.shape, v.stride(), v.device))
+            sig.append((k, v.dtype, v.shape, v.stride(), v.device, v.data_ptr() % 16))
         else:
             sig.append((k, _value_sig(v)))
     return tuple(sig)

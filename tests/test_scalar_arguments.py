@@ -68,3 +68,11 @@ def test_rmsnorm_eps_must_be_a_real_number(bad):
     args, _ = _rmsnorm_args()
     with pytest.raises(TypeError, match="^eps: expected a real number"):
         dispatch.run("rmsnorm_mxfp8", *args, eps=bad, backend="torch")
+
+
+def test_signature_holds_the_data_pointer_alignment():
+    # TMA variants need 16-byte aligned bases: a view one element in must not reuse an aligned call's choice
+    base = torch.zeros(64, 64, dtype=torch.bfloat16)
+    aligned, shifted = base[:, :32], base[:, 1:33]
+    assert aligned.stride() == shifted.stride() and aligned.shape == shifted.shape
+    assert call_signature((aligned,), {}) != call_signature((shifted,), {})

@@ -18,8 +18,8 @@ WORD_SWITCHES = [s for s in settings.SWITCHES.values() if s.values is not None]
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch):
-    for s in settings.SWITCHES.values():
-        monkeypatch.delenv(s.name, raising=False)
+    for name in list(settings.SWITCHES) + list(settings.REMOVED):
+        monkeypatch.delenv(name, raising=False)
     dispatch.clear_cache()
     yield
     dispatch.clear_cache()
@@ -27,8 +27,7 @@ def _clean(monkeypatch):
 
 @pytest.mark.parametrize("name, bad", [("MXMLA_TRITON_AUTOTUNE", "2"), ("MXMLA_TRITON_FP8_MMA", "yes"),
                                        ("MXMLA_TRITON_SOFT_FP8", "true"), ("MXMLA_CHECK_VALUES", "on"),
-                                       ("MXMLA_TRITON_GEMM_VARIANT", "fast"),
-                                       ("MXMLA_TRITON_MLA_Q_VARIANT", "ws128x")])
+                                       ])
 def test_bad_value_raises_naming_the_variable_on_any_backend(monkeypatch, name, bad):
     x = torch.randn(32, 64)
     monkeypatch.setenv(name, bad)
@@ -36,6 +35,13 @@ def test_bad_value_raises_naming_the_variable_on_any_backend(monkeypatch, name, 
         dispatch.run("mxfp8_quantize", x, backend="torch")
     with pytest.raises(ValueError, match=f"^environment variable {name}="):
         dispatch.explain("mxfp8_quantize", x, print_table=False)
+
+
+@pytest.mark.parametrize("name", sorted(settings.REMOVED))
+def test_removed_variant_switches_raise_with_the_replacement(monkeypatch, name):
+    monkeypatch.setenv(name, "tma")
+    with pytest.raises(ValueError, match=f"^environment variable {name} was removed: name the variant in MXMLA_BACKEND"):
+        dispatch.run("mxfp8_quantize", torch.randn(32, 64), backend="torch")
 
 
 @pytest.mark.parametrize("sw", WORD_SWITCHES, ids=lambda s: s.name)

@@ -66,10 +66,7 @@ def _private_imports(path: pathlib.Path):
                     yield node.module, alias.name
 
 
-@pytest.mark.parametrize("pkg", [
-    pytest.param("triton", marks=pytest.mark.xfail(strict=True, reason="mla_q imports gemm._grouped_tile and "
-                                                   "gemm_gluon mla_q_gluon._tile_coords until they move to _tiles")),
-    "torch", "cudnn"])
+@pytest.mark.parametrize("pkg", ["triton", "torch", "cudnn"])
 def test_private_helpers_do_not_cross_op_modules(pkg):
     crossings = [f"{p.name} imports {mod}.{name}" for p in (ROOT / "backends" / pkg).glob("*.py")
                  for mod, name in _private_imports(p)]

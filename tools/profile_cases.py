@@ -146,10 +146,10 @@ def mla_q_by_k(tokens: int = 16384) -> None:
             tag = f"G{cfg['GROUP_M']}"
             row[f"plain {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg))
             row[f"plain mainloop {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
-        for kind, table in (("ws", qg.WS_CONFIGS), ("ws128", qg.WS128_CONFIGS)):
+        for variant, table in (("gluon_ws", qg.WS_CONFIGS), ("gluon_ws128", qg.WS128_CONFIGS)):
             for cfg in table:
                 tag = f"BK{cfg['BLOCK_K']} S{cfg['STAGES']} G{cfg['GROUP_M']}"
-                row[f"{kind} {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, kind=kind))
+                row[f"{variant} {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, variant=variant))
         print(f"T={tokens} K={k}: cuBLAS {gemm:.4f} ms; " + "; ".join(f"{n} {t:.4f} ({t / gemm:.2f}x)" for n, t in row.items()))
 
 

@@ -1,6 +1,10 @@
 """Triton MXFP8 GEMM (SEMANTICS.md section 5): out [M, N] = RN_out(sum_k dq(a)[m, k] * dq(b)[n, k]) for
 MXTensors a [M, K], b [N, K] blocked along K (compact or swizzled scales, e4m3 or e5m2 elements).
 
+Kernel variants (GEMM_VARIANTS, registry entries with their reasons and priorities; the dispatcher
+takes the first that can serve, or the one named in MXMLA_BACKEND `mxfp8_gemm=triton:<variant>` or by
+`variant=`): dot_scaled (sm100+), gluon, bf16, tma, pointer, each described below.
+
 Kernel design
 - sm90 where the Gluon route cannot run (fp32 out, another Triton), the "bf16" route (_launch_bf16):
   a code times its scale is a bf16 value exactly when the scale byte lies in BF16_SAFE_SCALE_BYTES (e4m3 [10, 246], e5m2 [17, 239]), so a and b are
@@ -12,7 +16,7 @@ Kernel design
   the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96-0.98x
   the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
   dequantize passes are the difference).
-- sm90 default where it can run (bf16 out, Triton 3.6), the "gluon" route (_launch_gluon,
+- sm90 default where it can run (bf16 out, Triton 3.6 / 3.9), the "gluon" route (_launch_gluon,
   gemm_gluon.py): a dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the
   registers of a Gluon warp-specialized GEMM (wgmma with a register A operand), the same gated exact
   fallback; no bf16 copy of b. Its figures against cuBLAS are in gemm_gluon.py and BENCHMARKS.md.
@@ -76,10 +80,11 @@ import triton.language as tl
 
 from spec.mxtensor import MXTensor
 
-from ..registry import register
-from ._common import env_choice, env_flag, interpret_mode, triton_reasons
+from ..registry import register, register_variant, variants
+from ._common import autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
+from ._tiles import grouped_tile
 from .quantize import dequantize_bf16_flat
 
 __all__ = ["mxfp8_gemm", "mxfp8_gemm_tensors", "scale_offsets"]
@@ -106,19 +111,6 @@ def scale_offsets(rows, kblock, stride_row, stride_col, col_groups, SWIZZLED: tl
                 + ((rows % 128) // 32) * 4 + (kblock % 4))
     else:
         return rows * stride_row + kblock * stride_col
-
-
-@triton.jit
-def _grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) with GROUP_M consecutive M tiles per N tile: programs running together share
-    the B tiles and a small set of A tiles in L2."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,7 +158,7 @@ def _mxfp8_gemm_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, WIDEN_F16: tl.constexpr,
 ):
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = tl.minimum(offs_m, M - 1)  # clamped: tail rows load real data, their results are masked
@@ -233,7 +225,7 @@ def _mxfp8_gemm_tma_kernel(
     [1, BLOCK_N] boxes: the factors travel through the same shared-memory pipeline as the codes (plain
     loads would be prefetched num_stages deep into registers and spill)."""
     pid = tl.program_id(0)
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = pid_n * BLOCK_N
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -269,7 +261,7 @@ def _mxfp8_gemm_dot_scaled_kernel(
     EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_m, pid_n = _grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = tl.minimum(offs_m, M - 1)
@@ -351,10 +343,6 @@ def _even_k(args):
     return args["K"] % args["BLOCK_K"] == 0
 
 
-def _autotune_enabled() -> bool:
-    return env_flag("MXMLA_TRITON_AUTOTUNE", True)
-
-
 _KEY = ["M_BUCKET", "N", "K", "A_SWIZZLED", "B_SWIZZLED", "OUT_DTYPE"]
 _gemm_sm90 = triton.autotune(configs=_sm90_configs(), key=_KEY)(
     triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_kernel))
@@ -400,29 +388,57 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return (t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0)
 
 
-def gemm_variant(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> str:
-    """"dot_scaled" (sm100+), "gluon", "bf16", "tma" or "pointer" (sm89/sm90). MXMLA_TRITON_GEMM_VARIANT=
-    gluon|bf16|tma|pointer forces one of the sm89/sm90 routes (the interpreter runs the last three);
-    default on sm90: "gluon" where gluon_reasons is empty (Triton 3.6, bf16 out, TMA-addressable codes),
-    else "bf16" (dequantize to bf16, one cuBLAS bf16 GEMM); both with the gated exact fallback."""
+# --------------------------------------------------------------------------------------------------
+# kernel variants: registry entries (backends/registry.py), each with its reasons and priority
+# --------------------------------------------------------------------------------------------------
+GEMM_OP = "mxfp8_gemm"
+# Priority (the automatic choice: the highest whose reasons are empty): dot_scaled where native
+# (sm100+); on sm90 the Gluon route (1.013x bf16 cuBLAS on the H200, BENCHMARKS.md), else the bf16
+# route (dequantize, one cuBLAS bf16 GEMM), both with the gated exact fallback; then the TMA and
+# pointer block kernels (sm89: pointer). The interpreter runs bf16, tma and pointer.
+GEMM_VARIANTS = {"dot_scaled": 50, "gluon": 40, "bf16": 30, "tma": 20, "pointer": 10}
+
+
+def _tma_ok_launched(t: torch.Tensor) -> bool:
+    """_tma_ok for the codes the launcher will use: a K-strided operand is first copied K-contiguous
+    (mxfp8_gemm_tensors), into a fresh allocation whose rows (K % 32 == 0 bytes) are 16-byte aligned."""
+    return t.stride(1) != 1 or _tma_ok(t)
+
+
+def gemm_variant_reasons(variant: str, a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List[str]:
+    """Why GEMM kernel `variant` cannot run these operands (empty: it can)."""
     device = a.data.device
-    if use_dot_scaled(device):
-        return "dot_scaled"
-    choice = env_choice("MXMLA_TRITON_GEMM_VARIANT", ("auto", "gluon", "bf16", "tma", "pointer"), "auto")
-    if choice == "gluon":
-        reasons = gluon_reasons(a, b, out_dtype)
-        if reasons:
-            raise ValueError("MXMLA_TRITON_GEMM_VARIANT=gluon cannot run here: " + "; ".join(reasons))
-        return "gluon"
-    if choice == "bf16":
-        return "bf16"
-    ok = _tma_ok(a.data) and _tma_ok(b.data)
-    if choice == "pointer" or (choice == "tma" and not ok):
-        return "pointer"
-    if choice == "tma":
-        return "tma"
-    if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (9, 0):
-        return "gluon" if not gluon_reasons(a, b, out_dtype) else "bf16"
+    if variant == "dot_scaled":
+        return [] if use_dot_scaled(device) else ["tl.dot_scaled is native on sm100+ only (CUDA, no interpreter)"]
+    if variant == "gluon":
+        return gluon_reasons(a, b, out_dtype)
+    if variant in ("bf16", "tma"):
+        reasons = []
+        if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) < (9, 0):
+            cc = torch.cuda.get_device_capability(device)
+            reasons.append(f"the {variant} route needs compute capability >= 9.0, {device} is {cc[0]}.{cc[1]}")
+        if variant == "tma" and not (_tma_ok_launched(a.data) and _tma_ok_launched(b.data)):
+            reasons.append("a's and b's codes must be TMA-addressable: 16-byte aligned base and rows")
+        return reasons
+    if variant == "pointer":
+        return []
+    raise ValueError(f"variant: expected one of {', '.join(GEMM_VARIANTS)}, got {variant!r}")
+
+
+def _gemm_check(variant):
+    return lambda a, b, out_dtype="bfloat16": gemm_variant_reasons(variant, a, b, out_dtype)
+
+
+for _name, _priority in GEMM_VARIANTS.items():
+    register_variant(GEMM_OP, "triton", _name, _priority, check=_gemm_check(_name))
+
+
+def gemm_variant(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> str:
+    """The automatic choice among GEMM_VARIANTS (the dispatcher's rule: the highest priority whose
+    reasons are empty; the pointer kernel serves every call)."""
+    for v in variants(GEMM_OP, "triton"):
+        if not gemm_variant_reasons(v.name, a, b, out_dtype):
+            return v.name
     return "pointer"
 
 
@@ -455,7 +471,7 @@ def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
     m_pad, n_pad, kb_pad = _roundup(m, 256), _roundup(n, 256), _roundup(k, 128) // 32
     sa = scale_factors_f32(a, m_pad, kb_pad)
     sb = scale_factors_f32(b, n_pad, kb_pad)
-    cfg = config or (_INTERPRET if interpret_mode() else (None if _autotune_enabled() else _FIXED_TMA))
+    cfg = config or (_INTERPRET if interpret_mode() else (None if autotune_enabled() else _FIXED_TMA))
     bm, bn = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg else (128, 128)
     a_desc = TensorDescriptor(a.data, list(a.data.shape), list(a.data.stride()), [bm, 32])
     b_desc = TensorDescriptor(b.data, list(b.data.shape), list(b.data.stride()), [bn, 32])
@@ -517,7 +533,7 @@ def gluon_reasons(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List
                        f" only, this is {triton.__version__}")
     if out_dtype != "bfloat16":
         reasons.append(f"the Gluon GEMM writes bf16 only, out_dtype is {out_dtype}")
-    if not _tma_ok(b.data):
+    if not _tma_ok_launched(b.data):
         reasons.append("b's codes must be K-contiguous with 16-byte aligned base and rows (TMA)")
     return reasons
 
@@ -587,7 +603,8 @@ def _sm_count(device: torch.device) -> int:
 
 def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None, config=None) -> torch.Tensor:
     """out[M, N] (preallocated bf16 or fp32, any strides) = a @ b^T for K-blocked MXTensors.
-    variant: "gluon" | "bf16" | "tma" | "pointer" | "dot_scaled" (default gemm_variant); config: a fixed
+    variant: one of GEMM_VARIANTS (default gemm_variant; a named one that cannot run raises ValueError
+    with its reasons); config: a fixed
     tile dict (for "gluon", one of gemm_gluon.CONFIGS' form)."""
     m, k = a.data.shape
     n = b.data.shape[0]
@@ -598,11 +615,10 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
     a = a if a.data.stride(1) == 1 else a.replace(data=a.data.contiguous())
     b = b if b.data.stride(1) == 1 else b.replace(data=b.data.contiguous())
     out_dtype_name = "bfloat16" if out.dtype == torch.bfloat16 else "float32"
-    if variant == "gluon":  # named by the caller (gemm_variant checks its own choice)
-        reasons = gluon_reasons(a, b, out_dtype_name)
-        if reasons:
-            raise ValueError("variant 'gluon' cannot run here: " + "; ".join(reasons))
     variant = variant or gemm_variant(a, b, out_dtype_name)
+    reasons = gemm_variant_reasons(variant, a, b, out_dtype_name)
+    if reasons:  # a named kernel runs or raises: never another one in its place
+        raise ValueError(f"variant {variant!r} cannot run here: " + "; ".join(reasons))
     if variant == "gluon":
         return _launch_gluon(a, b, out, config)
     if variant == "bf16":
@@ -625,7 +641,7 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
     if interpret_mode():
         cfg = _INTERPRET
     cfg = config or cfg
-    if config is not None or interpret_mode() or not _autotune_enabled():
+    if config is not None or interpret_mode() or not autotune_enabled():
         grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
         fixed[grid](*args, **meta, **cfg)
     else:
@@ -649,6 +665,7 @@ def _gemm_reasons(a, b, out_dtype="bfloat16") -> List[str]:
 
 
 @register("mxfp8_gemm", "triton", check=_gemm_reasons)
-def mxfp8_gemm(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> torch.Tensor:
+def mxfp8_gemm(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16", variant=None) -> torch.Tensor:
+    """The dispatcher passes the GEMM_VARIANTS entry it chose (or the caller named)."""
     out = _empty((a.data.shape[0], b.data.shape[0]), _OUT_TORCH[out_dtype], a.data.device)
-    return mxfp8_gemm_tensors(a, b, out)
+    return mxfp8_gemm_tensors(a, b, out, variant=variant)

@@ -1,6 +1,6 @@
 """The sm90 MXFP8 GEMM's "gluon" route (SEMANTICS.md section 5): out [M, N] = a [M, K] @ b [N, K]^T with
 b's e4m3 / e5m2 codes widened to bf16 in registers, as the register (A) operand of wgmma. The sm90
-default where it can run (gemm.gemm_variant; MXMLA_TRITON_GEMM_VARIANT forces a route).
+default where it can run (gemm.GEMM_VARIANTS; MXMLA_BACKEND `mxfp8_gemm=triton:<variant>` names a route).
 
 Why: the "bf16" route (gemm.py) dequantizes both operands in flat passes and runs one cuBLAS GEMM; at
 [4096 x 1536] x [24576 x 1536] the passes cost ~0.04 ms beside a ~0.43 ms GEMM, so that route sits at

@@ -2,13 +2,17 @@
 spec/mla_q.py).
 
 Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
-- On sm90 with a bf16 projection and T % 64 == 0 the default is the Gluon kernel of mla_q_gluon.py
-  (same arithmetic, epilogue blocks made thread-local through shared-memory layouts; 1.63x the cuBLAS
-  GEMM on the H200 where the kernels below take 1.70-2.1x). Otherwise one of two Triton kernels with
-  the same arithmetic: `_mla_q_fwd_tma_kernel` (default on sm90 when x and w are
-  TMA-addressable: x [BM, BK], the head's no-RoPE rows [128, BK] and RoPE rows [64, BK] as TMA boxes,
-  zero-filled past T and K) and `_mla_q_fwd_kernel` (cp.async pointer loads; any strides; also sm80/89).
-  MXMLA_TRITON_MLA_Q_VARIANT=gluon|tma|pointer forces one.
+- Kernel variants, registry entries the dispatcher chooses from (FORWARD_VARIANTS: each has its
+  reasons, forward_variant_reasons, and a priority; name one with MXMLA_BACKEND
+  `mla_q_uproj_rope_quant=triton:<variant>` or dispatch.run(..., variant=...)), all the same arithmetic:
+  - gluon_ws128 (first choice): mla_q_gluon.py's persistent warp-specialized kernel on 128-token tiles,
+    sm90, Triton 3.6 / 3.9, T % 128 == 0 (H200: 1.12x the cuBLAS GEMM at T = 4096 and 16384);
+  - gluon_ws: its 64-token form (T % 64 == 0; 1.22-1.24x); gluon: one 64-token tile per program
+    (named only). An MXFP8 projection runs them on its guarded exact bf16 dequantization
+    (_launch_gluon_dequantized; the gated MXFP8 pointer kernel is the exact fallback);
+  - tma: `_mla_q_fwd_tma_kernel`, sm90+ (or the interpreter) with TMA-addressable x and w: x [BM, BK],
+    the head's no-RoPE rows [128, BK] and RoPE rows [64, BK] as TMA boxes, zero-filled past T and K;
+  - pointer: `_mla_q_fwd_kernel` (cp.async pointer loads; any strides; sm80/89 too): serves every call.
 - Program = BLOCK_M tokens x one head (192 output features of w's rows head*192 .. head*192+191), in
   grouped order (GROUP_M token tiles per head run together: the head's 576 KB of w and a few x tiles
   stay in L2). BLOCK_M is a multiple of 32, so every columnwise block (32 tokens of one feature) lies
@@ -89,12 +93,13 @@ import triton.language as tl
 from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
-from ..registry import register
-from ._common import autotune_cached, env_choice, env_flag, interpret_mode, triton_reasons
+from ..registry import register, register_variant, variants
+from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, bf16_unsafe, decode_e4m3, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
-from .gemm import (BF16_SAFE_SCALE_BYTES, _grouped_tile, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
+from ._tiles import grouped_tile
+from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
                    mxfp8_gemm_tensors, scale_offsets)
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
@@ -284,7 +289,7 @@ def _mla_q_fwd_kernel(
         if tl.load(gate_ptr) == 0:
             return
     pid = tl.program_id(0)
-    pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
+    pid_m, head = grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
     tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_t = tl.minimum(tok, T - 1)  # tail rows read real data; their 32-row blocks are never stored
     n_nope = head * HEAD + tl.arange(0, NOPE)
@@ -405,7 +410,7 @@ def _mla_q_fwd_tma_kernel(
     HEAD: tl.constexpr = 192
     NOPE: tl.constexpr = 128
     pid = tl.program_id(0)
-    pid_m, head = _grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
+    pid_m, head = grouped_tile(pid, tl.cdiv(T, BLOCK_M), H, GROUP_M)
     m0 = pid_m * BLOCK_M
     n0 = head * HEAD
     acc_nope = tl.zeros((BLOCK_M, NOPE), dtype=tl.float32)
@@ -532,10 +537,6 @@ def _interpret_config(**overrides):
     return cfg
 
 
-def _autotune_enabled() -> bool:
-    return env_flag("MXMLA_TRITON_AUTOTUNE", True)
-
-
 def _hw_cvt(device: torch.device) -> bool:
     """GPU cvt.rn instructions for bf16 / e4m3 (sm89+ has the fp8 conversion); bit versions otherwise."""
     return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -575,8 +576,16 @@ def gluon_reasons(x, w) -> List[str]:
     return mla_q_gluon.gluon_reasons(xd, wd, dequantized=mx)
 
 
-# mla_q_forward_launch's Gluon variants -> mla_q_gluon.launch's kinds
-_GLUON_KIND = {"gluon": "plain", "gluon_ws": "ws", "gluon_ws128": "ws128"}
+# --------------------------------------------------------------------------------------------------
+# forward kernel variants: registry entries (backends/registry.py), each with its reasons and priority
+# --------------------------------------------------------------------------------------------------
+FORWARD_OP = "mla_q_uproj_rope_quant"
+GLUON_VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")
+# Priority: the automatic choice takes the highest whose reasons are empty. On the H200 (2026-11-30,
+# bench_mla_q.py --quick) the warp-specialized 128-token kernel ran 1.12x the cuBLAS GEMM at T = 4096
+# and 16384, its 64-token form 1.22-1.24x; the one-tile Gluon kernel is for naming only (0: below the
+# pointer kernel, which serves every call).
+FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0}
 
 
 def _gluon_variant_reasons(variant, x, w) -> List[str]:
@@ -588,38 +597,48 @@ def _gluon_variant_reasons(variant, x, w) -> List[str]:
     return reasons
 
 
-def forward_variant(x, w) -> str:
-    """"gluon_ws128", "gluon_ws", "gluon", "tma" or "pointer": MXMLA_TRITON_MLA_Q_VARIANT (one of those
-    or auto, default auto) decides. auto: on sm90, for a bf16 projection the Gluon kernels accept
-    (gluon_reasons), the persistent warp-specialized kernel on 128-token tiles when T % 128 == 0, else
-    its 64-token form (H200, 2026-11-30, bench_mla_q.py --quick: 1.12x the cuBLAS GEMM at T = 4096
-    and 16384 against 1.22-1.24x); else TMA on sm90+ when both operands qualify,
-    else the pointer kernel (the interpreter runs the Triton kernels when asked). An explicit choice
-    the operands cannot take raises, naming the reasons."""
-    choice = env_choice("MXMLA_TRITON_MLA_Q_VARIANT", ("auto",) + tuple(_GLUON_KIND) + ("tma", "pointer"), "auto")
+def _tma_reasons(x, w) -> List[str]:
     xd, wd = (x.data, w.data) if isinstance(x, MXTensor) else (x, w)
-    if choice in _GLUON_KIND:
-        reasons = _gluon_variant_reasons(choice, x, w)
-        if reasons:
-            raise ValueError(f"MXMLA_TRITON_MLA_Q_VARIANT={choice}: " + "; ".join(reasons))
-        return choice
-    if choice == "auto" and not interpret_mode() and xd.device.type == "cuda" and not gluon_reasons(x, w):
-        # an MXFP8 projection too: its dequantized operands are fresh contiguous tensors
-        return "gluon_ws128" if xd.shape[0] % 128 == 0 else "gluon_ws"
-    ok = _tma_ok(xd) and _tma_ok(wd)
-    if choice == "pointer" or not ok:
-        return "pointer"
-    if choice == "tma":
-        return "tma"
-    if interpret_mode() or xd.device.type != "cuda":
-        return "pointer"
-    if not gluon_reasons(x, w):
-        return "gluon_ws128" if xd.shape[0] % 128 == 0 else "gluon_ws"
-    return "tma" if torch.cuda.get_device_capability(xd.device) >= (9, 0) else "pointer"
+    reasons = []
+    if not (_tma_ok(xd) and _tma_ok(wd)):
+        reasons.append("x and w must be TMA-addressable: 2-D, unit last stride, 16-byte aligned base and rows")
+    if xd.device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(xd.device) < (9, 0):
+        cc = torch.cuda.get_device_capability(xd.device)
+        reasons.append(f"TMA needs compute capability >= 9.0, {xd.device} is {cc[0]}.{cc[1]}")
+    return reasons
+
+
+def forward_variant_reasons(variant, x, w) -> List[str]:
+    """Why forward kernel `variant` cannot run on x, w (empty: it can)."""
+    if variant in GLUON_VARIANTS:
+        return _gluon_variant_reasons(variant, x, w)
+    if variant == "tma":
+        return _tma_reasons(x, w)
+    if variant == "pointer":
+        return []
+    raise ValueError(f"variant: expected one of {', '.join(FORWARD_VARIANTS)}, got {variant!r}")
+
+
+def _forward_check(variant):
+    return lambda x, w, cos, sin: forward_variant_reasons(variant, x, w)
+
+
+for _name, _priority in FORWARD_VARIANTS.items():
+    register_variant(FORWARD_OP, "triton", _name, _priority, check=_forward_check(_name))
+
+
+def forward_variant(x, w) -> str:
+    """The automatic choice among FORWARD_VARIANTS (the dispatcher's rule: the highest priority whose
+    reasons are empty; the pointer kernel serves every call)."""
+    for v in variants(FORWARD_OP, "triton"):
+        if not forward_variant_reasons(v.name, x, w):
+            return v.name
+    return "pointer"
 
 
 def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="full"):
-    """Run the fused forward. `variant` "tma" | "pointer" (default: forward_variant); `config` (dict of
+    """Run the fused forward. `variant`: one of FORWARD_VARIANTS (default: forward_variant; a named one
+    that cannot run raises ValueError with its reasons); `config` (dict of
     BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT (pointer only), num_warps, num_stages) bypasses autotuning
     (tests and benchmarks use it to pin a variant). `epilogue` other than "full" (EPILOGUE_PARTS; TMA
     variant and a pinned config only) is for profiling: its outputs are not the op's."""
@@ -647,25 +666,24 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
                 t.view(torch.uint8).zero_()
         return q_row, q_col
     variant = variant or forward_variant(x, w)
+    reasons = forward_variant_reasons(variant, x, w)
+    if reasons:  # a named kernel runs or raises: never another one in its place
+        raise ValueError(f"variant={variant!r} cannot run here: " + "; ".join(reasons))
     cos, sin = _unit_last(cos), _unit_last(sin)
-    if variant in _GLUON_KIND:
-        reasons = _gluon_variant_reasons(variant, x, w)
-        if reasons:
-            raise ValueError(f"variant={variant!r}: " + "; ".join(reasons))
+    if variant in GLUON_VARIANTS:
         from . import mla_q_gluon
 
         if mx:
-            _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config,
-                                      _GLUON_KIND[variant])
+            _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config, variant)
         else:
             mla_q_gluon.launch(xd, wd, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
-                               col_scale, config=config, kind=_GLUON_KIND[variant])
+                               col_scale, config=config, variant=variant)
         return q_row, q_col
     _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), config, variant, epilogue)
     return q_row, q_col
 
 
-def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config, kind):
+def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config, variant):
     """The MXFP8 projection on the Gluon kernels: x and w dequantized to bf16 by the guarded flat pass
     (exact: an e4m3 / e5m2 code times a power of two inside BF16_SAFE_SCALE_BYTES is a bf16 value, and
     bf16 x bf16 products are exact in fp32, so the kernel computes the spec's fp32 sum of exact products
@@ -680,7 +698,7 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
     x16 = dequantize_bf16_flat(x, guard=(flag, *BF16_SAFE_SCALE_BYTES[x.elem]))
     w16 = dequantize_bf16_flat(w, guard=(flag, *BF16_SAFE_SCALE_BYTES[w.elem]))
     mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
-                       col_scale, config=config, kind=kind)
+                       col_scale, config=config, variant=variant)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
     cfg["ROPE_SPLIT"] = True
     _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)
@@ -708,7 +726,7 @@ def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None
                 WIDEN_F16=mx and fp8_mma_widened(device))
     if interpret_mode() and config is None:
         config = _interpret_config()
-    if config is None and not _autotune_enabled():
+    if config is None and not autotune_enabled():
         config = dict(_FWD_DEFAULT[mx])
     if variant == "tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1047,10 +1065,30 @@ def _bwd_reasons(dq, x, w, cos, sin, quantize_grad=False) -> List[str]:
 
 
 @register("mla_q_uproj_rope_quant", "triton", check=_fwd_reasons)
-def mla_q_uproj_rope_quant(x, w, cos, sin):
-    return mla_q_forward_launch(x, w, cos, sin)
+def mla_q_uproj_rope_quant(x, w, cos, sin, variant=None):
+    """The dispatcher passes the FORWARD_VARIANTS entry it chose (or the caller named)."""
+    return mla_q_forward_launch(x, w, cos, sin, variant=variant)
+
+
+# Backward variants: "bf16" is the quantize_grad=False backward (two bf16 GEMMs); the MXFP8 backward
+# (quantize_grad=True) has BACKWARD_ROUTES, "dequantized" first (the default).
+BACKWARD_OP = "mla_q_uproj_rope_quant_backward"
+
+
+def _backward_check(route):
+    def check(dq, x, w, cos, sin, quantize_grad=False):
+        if route == "bf16":
+            return ["quantize_grad=True: the MXFP8 backward's routes are " + ", ".join(BACKWARD_ROUTES)] \
+                if quantize_grad else []
+        return [] if quantize_grad else [f"{route} is a route of the MXFP8 backward (quantize_grad=True)"]
+    return check
+
+
+for _name, _priority in (("bf16", 30), ("dequantized", 20), ("mxfp8_gemm", 10)):
+    register_variant(BACKWARD_OP, "triton", _name, _priority, check=_backward_check(_name))
 
 
 @register("mla_q_uproj_rope_quant_backward", "triton", check=_bwd_reasons)
-def mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False):
-    return mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad)
+def mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False, variant=None):
+    route = "dequantized" if variant in (None, "bf16") else variant
+    return mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad, route=route)

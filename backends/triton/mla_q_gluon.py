@@ -551,7 +551,7 @@ WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8,
 # H200 (mla_q_by_k, T = 16384): G16 and G32 within noise, G8 ~2 % slower, G4 (dropped) ~7 %, BLOCK_K 32 ~7 %.
 WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
                  dict(BLOCK_K=64, STAGES=3, GROUP_M=32), dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
-KINDS = ("plain", "ws", "ws128")
+VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")  # the names mla_q.FORWARD_VARIANTS registers
 
 
 VERIFIED_TRITON = _SUPPORTED_TRITON  # the releases _gluon_compat spans (3.6 run on the H200, 3.9 compiled)
@@ -585,19 +585,19 @@ def _desc(t, block):
 
 
 def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False,
-           kind="plain"):
+           variant="gluon"):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
-    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. kind: "plain" (one 64-token tile per
-    program, CONFIGS), "ws" (persistent producer / ping-pong consumers, WS_CONFIGS) or "ws128" (the
-    same with 128-token tiles, WS128_CONFIGS; T % 128 == 0)."""
-    if kind not in KINDS:
-        raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
-    table = {"plain": CONFIGS, "ws": WS_CONFIGS, "ws128": WS128_CONFIGS}[kind]
+    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. variant: "gluon" (one 64-token tile per
+    program, CONFIGS), "gluon_ws" (persistent producer / ping-pong consumers, WS_CONFIGS) or
+    "gluon_ws128" (the same with 128-token tiles, WS128_CONFIGS; T % 128 == 0)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    table = {"gluon": CONFIGS, "gluon_ws": WS_CONFIGS, "gluon_ws128": WS128_CONFIGS}[variant]
     cfg = dict(table[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
-    if kind == "ws128" and x.shape[0] % 128:
-        raise ValueError(f"x: kind 'ws128' needs tokens % 128 == 0, got {x.shape[0]}")
+    if variant == "gluon_ws128" and x.shape[0] % 128:
+        raise ValueError(f"x: variant 'gluon_ws128' needs tokens % 128 == 0, got {x.shape[0]}")
     tokens, k = x.shape
     heads = w.shape[0] // _HEAD
     bk = cfg["BLOCK_K"]
@@ -608,12 +608,12 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
             _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
             tokens, k, heads, cos.stride(0), sin.stride(0))
     tiles = triton.cdiv(tokens, BLOCK_M) * heads
-    if kind != "plain":
+    if variant != "gluon":
         if mainloop_only:
             raise ValueError("mainloop_only: the warp-specialized kernels have no main-loop-only mode")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         kernel = _mla_q_fwd_gluon_ws_kernel
-        if kind == "ws128":
+        if variant == "gluon_ws128":
             kernel, tiles = _mla_q_fwd_gluon_ws128_kernel, tiles // 2
         kernel[(min(sms, tiles),)](
             *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],

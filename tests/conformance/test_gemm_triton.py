@@ -273,32 +273,48 @@ class _CudaCodes:
 
 def test_gemm_variant_default(monkeypatch):
     # sm90 takes the Gluon route by default where it can run, else the bf16 route; sm89 the block kernel,
-    # sm100 dot_scaled; the switch forces.
+    # sm100 dot_scaled; a named route runs where its reasons are empty and says why not otherwise.
     import types
 
     import backends.triton.gemm as mod
 
     t = types.SimpleNamespace(data=_CudaCodes())
-    monkeypatch.delenv("MXMLA_TRITON_GEMM_VARIANT", raising=False)
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
     for gluon_ok in (True, False):
-        monkeypatch.setattr(mod, "gluon_reasons",
-                            lambda a, b, out_dtype="bfloat16", ok=gluon_ok: [] if ok else ["a reason"])
+        # as the real gluon_reasons: sm90 only
+        monkeypatch.setattr(mod, "gluon_reasons", lambda a, b, out_dtype="bfloat16", ok=gluon_ok: [] if ok and (
+            torch.cuda.get_device_capability()[0] == 9) else ["a reason"])
         for cc, want in (((9, 0), "gluon" if gluon_ok else "bf16"), ((8, 9), "pointer"), ((10, 0), "dot_scaled")):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, cc=cc: cc)
             assert mod.gemm_variant(t, t) == want, (cc, gluon_ok)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
-    for forced in ("pointer", "tma", "bf16"):
-        monkeypatch.setenv("MXMLA_TRITON_GEMM_VARIANT", forced)
-        assert mod.gemm_variant(t, t) == forced
-    # "gluon" is opt-in (slower than the bf16 route on the H200, BENCHMARKS.md): forced, it runs only
-    # where its reasons are empty, and says why not otherwise
-    monkeypatch.setenv("MXMLA_TRITON_GEMM_VARIANT", "gluon")
-    monkeypatch.setattr(mod, "gluon_reasons", lambda a, b, out_dtype="bfloat16": [])
-    assert mod.gemm_variant(t, t) == "gluon"
+    for named in ("pointer", "tma", "bf16"):
+        assert mod.gemm_variant_reasons(named, t, t) == []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
+    assert mod.gemm_variant_reasons("tma", t, t) == ["the tma route needs compute capability >= 9.0, cuda:0 is 8.9"]
+    assert "sm100+ only" in mod.gemm_variant_reasons("dot_scaled", t, t)[0]
     monkeypatch.setattr(mod, "gluon_reasons", lambda a, b, out_dtype="bfloat16": ["needs an sm90 GPU"])
-    with pytest.raises(ValueError, match="MXMLA_TRITON_GEMM_VARIANT=gluon cannot run here: needs an sm90 GPU"):
-        mod.gemm_variant(t, t)
+    assert mod.gemm_variant_reasons("gluon", t, t) == ["needs an sm90 GPU"]
+    with pytest.raises(ValueError, match="variant: expected one of dot_scaled, gluon, bf16, tma, pointer"):
+        mod.gemm_variant_reasons("fast", t, t)
+
+
+def test_named_gemm_variant_raises_through_dispatch_never_downgrades():
+    # on the CPU (interpreter) the Gluon and dot_scaled routes cannot serve: naming either raises with
+    # the reason, whatever route could have run instead
+    import dispatch
+
+    rng = _seed("named-variant")
+    a = to_torch(small_int_operand(rng, 8, 64), "cpu")
+    b = to_torch(small_int_operand(rng, 8, 64), "cpu")
+    for variant, needle in (("gluon", "the Gluon GEMM runs on CUDA only"),
+                            ("dot_scaled", r"tl.dot_scaled is native on sm100\+ only")):
+        with pytest.raises(dispatch.BackendUnavailable, match=f"triton:{variant}: {needle}"):
+            dispatch.run("mxfp8_gemm", a, b, backend=f"triton:{variant}")
+    rows = dispatch.explain("mxfp8_gemm", a, b, backend="triton", print_table=False)
+    triton_row = next(r for r in rows if r["backend"] == "triton")
+    assert [v["variant"] for v in triton_row["variants"]] == ["dot_scaled", "gluon", "bf16", "tma", "pointer"]
+    assert [v["variant"] for v in triton_row["variants"] if v["chosen"]] == ["bf16"]
 
 
 @pytest.mark.parametrize("layout", ["compact", "swizzled"])
@@ -432,8 +448,8 @@ def test_switch_typos_raise(monkeypatch, name):
     assert env_flag(name, True) is True
 
 
-@pytest.mark.parametrize("name", ["MXMLA_TRITON_GEMM_VARIANT", "MXMLA_TRITON_MLA_Q_VARIANT"])
-def test_variant_typos_raise(monkeypatch, name):
+@pytest.mark.parametrize("name", ["MXMLA_TEST_CHOICE"])
+def test_choice_typos_raise(monkeypatch, name):
     from backends.triton._common import env_choice
 
     monkeypatch.setenv(name, "tmaa")

@@ -339,53 +339,66 @@ def test_backward_odd_shapes_exact_bytes(triton_target, mla, kind, quantize_grad
 
 
 def test_gluon_variant_selection_off_gpu(monkeypatch):
-    # Off an sm90 GPU the Gluon kernel is never chosen by auto, and asking for it by name raises with the
-    # reasons instead of silently running another kernel; an MXFP8 projection names its own reason.
+    # Off an sm90 GPU the Gluon kernels are never chosen by auto, and naming one raises with its reasons
+    # instead of running another kernel; an MXFP8 projection names its own reason.
     import backends.triton.mla_q as mod
+    import dispatch
 
     x = torch.zeros((64, 64), dtype=torch.bfloat16)
-    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
-    assert mod.forward_variant(x, x) == "pointer"
-    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluon")
-    with pytest.raises(ValueError, match="MXMLA_TRITON_MLA_Q_VARIANT=gluon: .*CUDA only"):
-        mod.forward_variant(x, x)
-    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluonn")
-    with pytest.raises(ValueError, match="expected one of auto, gluon, gluon_ws, gluon_ws128, tma, pointer"):
-        mod.forward_variant(x, x)
+    w = torch.zeros((192, 64), dtype=torch.bfloat16)
+    cos = torch.zeros((64, 64))
+    assert mod.forward_variant(x, w) == "tma"  # the interpreter runs the TMA kernel on addressable operands
+    assert mod.forward_variant(x[:, ::2], w[:, ::2]) == "pointer"
+    for variant in mod.GLUON_VARIANTS:
+        with pytest.raises(dispatch.BackendUnavailable, match=f"triton:{variant}: the Gluon kernel runs on CUDA only"):
+            dispatch.run("mla_q_uproj_rope_quant", x, w, cos, cos, backend="triton", variant=variant)
     xm = MXTensor(torch.zeros((64, 64), dtype=torch.float8_e4m3fn), torch.zeros((64, 2), dtype=torch.uint8), 1, "e4m3",
                   "compact")
     assert "CUDA only" in mod.gluon_reasons(xm, xm)[0]  # an MXFP8 projection runs them dequantized on CUDA
     assert "must both be bf16 or both MXTensors" in mod.gluon_reasons(xm, x)[0]
-    with pytest.raises(ValueError, match="variant='gluon'"):
-        mod.mla_q_forward_launch(x, torch.zeros((192, 64), dtype=torch.bfloat16), torch.zeros((64, 64)),
-                                 torch.zeros((64, 64)), variant="gluon")
+    with pytest.raises(ValueError, match="variant='gluon' cannot run here"):
+        mod.mla_q_forward_launch(x, w, cos, cos, variant="gluon")
+
+
+def test_named_tma_on_operands_tma_cannot_address_raises_never_pointer():
+    import backends.triton.mla_q as mod
+    import dispatch
+
+    x = torch.zeros((64, 128), dtype=torch.bfloat16)[:, ::2]  # row stride 256 bytes, but not unit last stride
+    w = torch.zeros((192, 128), dtype=torch.bfloat16)[:, ::2]
+    cos = torch.zeros((64, 64))
+    with pytest.raises(dispatch.BackendUnavailable, match="triton:tma: x and w must be TMA-addressable"):
+        dispatch.run("mla_q_uproj_rope_quant", x, w, cos, cos, backend="triton:tma")
+    with pytest.raises(ValueError, match="variant='tma' cannot run here: x and w must be TMA-addressable"):
+        mod.mla_q_forward_launch(x, w, cos, cos, variant="tma")
+    assert dispatch.select("mla_q_uproj_rope_quant", x, w, cos, cos, backend="triton") == "triton:pointer"
 
 
 def test_gluon_ws128_selection_and_arguments(monkeypatch):
     # auto on an sm90 GPU the Gluon kernels accept (mocked: no GPU here): the 128-token kernel when
-    # T % 128 == 0, the 64-token one otherwise; asking for gluon_ws128 with a token tail names it; the
-    # Gluon launcher rejects an unknown kind and a token tail before any launch.
+    # T % 128 == 0, the 64-token one otherwise; naming gluon_ws128 with a token tail names its reason;
+    # the Gluon launcher rejects an unknown variant and a token tail before any launch.
     import types
 
     import backends.triton.mla_q as mod
 
-    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "auto")
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
     monkeypatch.setattr(mod, "_tma_ok", lambda t: True)
     monkeypatch.setattr(mod, "gluon_reasons", lambda x, w: [])
     fake = lambda tokens: types.SimpleNamespace(shape=(tokens, 64), device=types.SimpleNamespace(type="cuda"))  # noqa: E731
     assert mod.forward_variant(fake(256), fake(192)) == "gluon_ws128"
     assert mod.forward_variant(fake(192), fake(192)) == "gluon_ws"
-    monkeypatch.setenv("MXMLA_TRITON_MLA_Q_VARIANT", "gluon_ws128")
-    assert mod.forward_variant(fake(256), fake(192)) == "gluon_ws128"
-    with pytest.raises(ValueError, match=r"gluon_ws128 needs tokens % 128 == 0, got 192"):
-        mod.forward_variant(fake(192), fake(192))
+    assert mod.forward_variant_reasons("gluon_ws128", fake(256), fake(192)) == []
+    assert mod.forward_variant_reasons("gluon_ws128", fake(192), fake(192)) == [
+        "gluon_ws128 needs tokens % 128 == 0, got 192"]
+    with pytest.raises(ValueError, match="variant: expected one of gluon_ws128, gluon_ws, tma, pointer, gluon"):
+        mod.forward_variant_reasons("ws128", fake(256), fake(192))
     try:
         import backends.triton.mla_q_gluon as qg
     except ImportError as exc:  # a Triton without Gluon's Hopper API
         pytest.skip(f"Gluon unavailable: {exc}")
     w = torch.zeros((192, 64), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="kind: expected one of plain, ws, ws128, got 'ws256'"):
-        qg.launch(torch.zeros((128, 64), dtype=torch.bfloat16), w, *([None] * 6), kind="ws256")
-    with pytest.raises(ValueError, match=r"x: kind 'ws128' needs tokens % 128 == 0, got 192"):
-        qg.launch(torch.zeros((192, 64), dtype=torch.bfloat16), w, *([None] * 6), kind="ws128")
+    with pytest.raises(ValueError, match="variant: expected one of gluon, gluon_ws, gluon_ws128, got 'ws128'"):
+        qg.launch(torch.zeros((128, 64), dtype=torch.bfloat16), w, *([None] * 6), variant="ws128")
+    with pytest.raises(ValueError, match=r"x: variant 'gluon_ws128' needs tokens % 128 == 0, got 192"):
+        qg.launch(torch.zeros((192, 64), dtype=torch.bfloat16), w, *([None] * 6), variant="gluon_ws128")
