@@ -97,7 +97,8 @@ def main():
         compile_sm90(G._mxfp8_gemm_kernel, t, dict(cfg.kwargs, A_SWIZZLED=False, B_SWIZZLED=True, OUT_DTYPE=tl.float32, EVEN_K=True, WIDEN_F16=True, stride_ak=1, stride_bk=1, stride_as_col=1, stride_cn=1), cfg.num_warps, cfg.num_stages, f"gptr_{i}", div16=["K","N","stride_am","stride_bn","stride_cm","stride_as_row"])
     # the Gluon fused forward (only with the Triton release it was written for)
     import backends.triton.mla_q_gluon as QG
-    if triton.__version__.startswith(QG.VERIFIED_TRITON):
+    from backends.triton._gluon_compat import version_reasons
+    if not version_reasons():
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon._runtime import GluonASTSource
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -123,7 +124,7 @@ def main():
                 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": QG.NUM_WARPS, "enable_fp_fusion": False})
                 print(f"[{tag}_{i}] {time.time() - start:.1f}s shared={k.metadata.shared} (max 232448) {cfg}")
     else:
-        print(f"[gluon] skipped: written for Triton {QG.VERIFIED_TRITON}, this is {triton.__version__}")
+        print(f"[gluon] skipped: {'; '.join(version_reasons())}")
     compile_sm90(G._scale_f32_kernel, {"scale_ptr":"*u8","out_ptr":"*fp32"}, dict(SWIZZLED=True, BLOCK_R=64, BLOCK_KB=16), 4, 1, "scalef32", div16=["R_PAD","KB_PAD"])
 
 

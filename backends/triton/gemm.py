@@ -525,12 +525,10 @@ def gluon_reasons(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List
     if torch.cuda.get_device_capability(dev)[0] != 9:
         reasons.append("the Gluon GEMM needs an sm90 GPU (wgmma with a register operand)")
     try:
-        from . import mla_q_gluon
+        from . import _gluon_compat
     except ImportError as exc:  # a Triton without Gluon's Hopper API
         return reasons + [f"Gluon unavailable in this Triton ({triton.__version__}): {exc}"]
-    if not triton.__version__.startswith(mla_q_gluon.VERIFIED_TRITON):
-        reasons.append(f"the Gluon GEMM is verified with Triton {', '.join(v + 'x' for v in mla_q_gluon.VERIFIED_TRITON)}"
-                       f" only, this is {triton.__version__}")
+    reasons += _gluon_compat.version_reasons()
     if out_dtype != "bfloat16":
         reasons.append(f"the Gluon GEMM writes bf16 only, out_dtype is {out_dtype}")
     if not _tma_ok_launched(b.data):

@@ -50,7 +50,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._gluon_compat import SUPPORTED_TRITON as _SUPPORTED_TRITON
 from ._gluon_compat import async_load, async_store, barrier, reinterpret, tile_coords, version_reasons
 from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
 
@@ -554,7 +553,6 @@ WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES
 VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")  # the names mla_q.FORWARD_VARIANTS registers
 
 
-VERIFIED_TRITON = _SUPPORTED_TRITON  # the releases _gluon_compat spans (3.6 run on the H200, 3.9 compiled)
 
 
 def gluon_reasons(x, w, dequantized: bool = False) -> list:

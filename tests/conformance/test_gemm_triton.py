@@ -383,7 +383,7 @@ def test_gluon_reasons_plumbing(monkeypatch):
     monkeypatch.setattr(mod.triton, "__version__", "3.9.0")  # the _gluon_compat shim's second release
     assert mod.gluon_reasons(ok, ok) == []
     monkeypatch.setattr(mod.triton, "__version__", "3.10.0")
-    assert any("verified with Triton 3.6" in r for r in mod.gluon_reasons(ok, ok))
+    assert any("support Triton 3.6.x and 3.9.x, this is 3.10.0" in r for r in mod.gluon_reasons(ok, ok))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (10, 0))
     assert any("sm90" in r for r in mod.gluon_reasons(ok, ok))
 
