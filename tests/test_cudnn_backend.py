@@ -1291,3 +1291,20 @@ def test_handle_follows_torch_stream_changes(fake, monkeypatch):
         att.mla_attention(q, k, v, causal=True)
     (g,) = FakeGraph.instances
     assert g.ctor["handle"].streams == [11, 22, 11]
+
+
+def test_routes_are_registry_variants(fake, monkeypatch):
+    # sm90: MXFP8 operands take "dequantized" (native names its sm100 reason), bf16 operands "bf16";
+    # naming the native route there gets its reasons (the dispatcher raises them instead of dequantizing)
+    set_machine(monkeypatch, (9, 0), 91900)
+    q, k, v, _ = bf16_inputs(0, 1, 64, 64, 2, "bshd")
+    _, (qm, km, vm) = mx_inputs(0, 1, 64, 64, 2, "bshd")
+    assert att.variant_reasons("bf16", q, k, v, False, "bshd", backward=False) == []
+    assert att.variant_reasons("dequantized", qm, km, vm, False, "bshd", backward=False) == []
+    assert "compute capability 10.x" in att.variant_reasons("native", qm, km, vm, False, "bshd", backward=False)[0]
+    assert "takes MXFP8 operands" in att.variant_reasons("native", q, k, v, False, "bshd", backward=False)[0]
+    from backends import registry
+
+    names = [v.name for v in registry.variants("mla_attention", "cudnn")]
+    assert names == ["native", "dequantized", "bf16"]
+    assert [v.name for v in registry.variants("mla_attention_backward", "cudnn")] == names

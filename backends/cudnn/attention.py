@@ -1,6 +1,7 @@
 """MLA attention through cuDNN's graph SDPA (nvidia-cudnn-frontend `cudnn.pygraph`).
 
-What runs where
+What runs where (the three routes are registry variants, ATTENTION_VARIANTS: bf16, dequantized,
+native; MXMLA_BACKEND `mla_attention=cudnn:dequantized` or `variant=` names one)
 - bf16 q, k, v (d_qk 192, d_v 128): `pygraph.sdpa` / `pygraph.sdpa_backward`, compute capability >= 9.0
   (H200 is the target; validated there by the lead's GPU run). bshd and sbhd go in as strided
   [B, H, S, D] descriptors (no copies); thd goes in through ragged offsets (element offsets
@@ -58,7 +59,7 @@ from spec.attention import DEFAULT_SOFTMAX_SCALE
 from spec.constants import MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM
 from spec.mxtensor import MXTensor
 
-from ..registry import register
+from ..registry import register, register_variant
 from . import _common
 from ._scales import compact_scales, pack_attention_scales, pack_columnwise, v_role_strides, v_role_view
 
@@ -904,13 +905,58 @@ def _mx_backward(do, q, k, v, o, lse, causal, scale, layout):
 # Ops
 # --------------------------------------------------------------------------------------------------
 
+# --------------------------------------------------------------------------------------------------
+# Variants: registry entries (backends/registry.py) with their reasons and priorities. MXFP8 operands:
+# "native" (the MXFP8 graph, sm100) before "dequantized" (the bf16 graph on the exact bf16
+# dequantization, sm90+); bf16 operands: "bf16" (the bf16 graph).
+# --------------------------------------------------------------------------------------------------
+ATTENTION_VARIANTS = {"native": 30, "dequantized": 20, "bf16": 10}
+
+
+def variant_reasons(variant, q, k, v, causal, layout, backward, extra=()) -> List[str]:
+    """Why `variant` cannot serve these operands (empty: it can); the backend's own check
+    (attention_reasons) comes first."""
+    kind, why = _operand_kind(q, k, v)
+    if why:
+        return why
+    if variant == "bf16":
+        return [] if kind == "bf16" else ["MXFP8 q, k, v: the native or dequantized route serves them"]
+    if kind != "mxfp8":
+        return [f"q, k, v are bfloat16: the {variant} route takes MXFP8 operands"]
+    if variant == "native":
+        return _mxfp8_reasons(q, k, v, causal, layout, backward, extra)
+    if variant == "dequantized":
+        return _dequantized_reasons(q, k, v, layout, extra)
+    raise ValueError(f"variant: expected one of {', '.join(ATTENTION_VARIANTS)}, got {variant!r}")
+
+
+def _forward_check(variant):
+    def check(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_seqlens_q=None, cu_seqlens_kv=None):
+        return variant_reasons(variant, q, k, v, causal, layout, backward=False)
+    return check
+
+
+def _backward_check(variant):
+    def check(do, q, k, v, o, lse, causal=False, softmax_scale=None, layout="bshd", cu_seqlens_q=None,
+              cu_seqlens_kv=None):
+        return variant_reasons(variant, q, k, v, causal, layout, backward=True, extra=(("o", o), ("do", do)))
+    return check
+
+
+for _name, _priority in ATTENTION_VARIANTS.items():
+    register_variant("mla_attention", "cudnn", _name, _priority, check=_forward_check(_name))
+    register_variant("mla_attention_backward", "cudnn", _name, _priority, check=_backward_check(_name))
+
+
 @register("mla_attention", "cudnn", check=attention_reasons)
 def mla_attention(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_seqlens_q=None,
-                  cu_seqlens_kv=None):
-    """spec.mla_attention on cuDNN: (o bf16 in q's layout, lse fp32 [B, H, S_q] or thd [H, T_q])."""
+                  cu_seqlens_kv=None, variant=None):
+    """spec.mla_attention on cuDNN: (o bf16 in q's layout, lse fp32 [B, H, S_q] or thd [H, T_q]).
+    variant: the ATTENTION_VARIANTS entry the dispatcher chose (None: decided here, as mx_route)."""
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
-        if _native_mx(q, k, v, causal, layout, backward=False):
+        native = variant == "native" if variant is not None else _native_mx(q, k, v, causal, layout, backward=False)
+        if native:
             return _forward_leading_masked(_mx_forward, q, k, v, causal, scale, layout)
         q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":
@@ -920,12 +966,15 @@ def mla_attention(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_s
 
 @register("mla_attention_backward", "cudnn", check=attention_backward_reasons)
 def mla_attention_backward(do, q, k, v, o, lse, causal=False, softmax_scale=None, layout="bshd",
-                           cu_seqlens_q=None, cu_seqlens_kv=None):
-    """spec.mla_attention_backward on cuDNN: (dq, dk, dv) bf16 in the layouts of q, k, v."""
+                           cu_seqlens_q=None, cu_seqlens_kv=None, variant=None):
+    """spec.mla_attention_backward on cuDNN: (dq, dk, dv) bf16 in the layouts of q, k, v. variant: as
+    mla_attention's."""
     scale = _scale(softmax_scale)
     if isinstance(q, MXTensor):
         extra = (("o", o), ("do", do))
-        if _native_mx(q, k, v, causal, layout, backward=True, extra=extra):
+        native = variant == "native" if variant is not None else _native_mx(q, k, v, causal, layout,
+                                                                              backward=True, extra=extra)
+        if native:
             return _backward_leading_masked(_mx_backward, do, q, k, v, o, lse, causal, scale, layout)
         q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
     if layout == "thd":
