@@ -147,3 +147,27 @@ def test_quantize_and_dequantize_fixed_tile(monkeypatch):
     for kernel in ("_quantize_heuristic", "_dequantize_heuristic"):
         call = getattr(mod, kernel).calls[0]
         assert (call["BM"], call["BN"], call["num_warps"]) == mod._INTERPRET_CONFIG
+
+
+def test_attention_runs_the_first_config_without_the_autotuner(monkeypatch):
+    # the interpreter's config lists hold one tile, so both settings give the same bytes; with 0 the
+    # autotuners never run (their run() would raise here)
+    import triton.runtime.autotuner as autotuner
+
+    import dispatch as d
+    from tests.util import assert_bytes_equal
+
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(1, 24, 2, 192, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 24, 2, 128, generator=g).bfloat16()
+    o, lse = d.run("mla_attention", q, k, v, causal=True, backend="triton")
+    do = torch.randn(o.shape, generator=g).bfloat16()
+    grads = d.run("mla_attention_backward", do, q, k, v, o, lse, causal=True, backend="triton")
+    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "0")
+    monkeypatch.setattr(autotuner.Autotuner, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("autotuned")))
+    o0, lse0 = d.run("mla_attention", q, k, v, causal=True, backend="triton")
+    grads0 = d.run("mla_attention_backward", do, q, k, v, o, lse, causal=True, backend="triton")
+    assert_bytes_equal(o0, o, "o")
+    assert_bytes_equal(lse0, lse, "lse")
+    for a, b in zip(grads0, grads):
+        assert_bytes_equal(a, b, "grad")

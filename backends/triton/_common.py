@@ -42,6 +42,14 @@ def autotune_enabled() -> bool:
     return settings.flag("MXMLA_TRITON_AUTOTUNE")
 
 
+def launch_tuned(kernel, grid, *args, **kwargs):
+    """Launch an autotuned kernel: autotuned, or with MXMLA_TRITON_AUTOTUNE=0 its list's first config
+    (no timing runs)."""
+    if autotune_enabled():
+        return kernel[grid](*args, **kwargs)
+    return kernel.fn[grid](*args, **kwargs, **kernel.configs[0].all_kwargs())
+
+
 # Triton's interpreter runs a launch with the grid index and the patched triton.language in module
 # globals (triton/runtime/interpreter.py), so concurrent interpreted launches interleave. Re-entrant:
 # an op may call another registered op (the MXFP8 backward quantizes its operands).

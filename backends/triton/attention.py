@@ -84,7 +84,7 @@ from spec.mxtensor import MXTensor
 from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
-from ._common import autotune_cached, interpret_mode, triton_reasons
+from ._common import autotune_cached, interpret_mode, launch_tuned, triton_reasons
 from .quantize import dequantize_bf16_flat
 from ._fpbits import round_f32
 
@@ -730,8 +730,8 @@ def _forward(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv
     cu_q = geo.cu_q if geo.varlen else lse
     cu_kv = geo.cu_kv if geo.varlen else lse
     grid = lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)  # noqa: E731
-    _mla_fwd_kernel[grid](
-        qd, kd, vd,
+    launch_tuned(
+        _mla_fwd_kernel, grid, qd, kd, vd,
         qs if qs is not None else qd, ks if ks is not None else kd, vs if vs is not None else vd,
         o, lse, cu_q, cu_kv,
         *_bsh_strides(qd, layout), *_bsh_strides(kd, layout), *_bsh_strides(vd, layout),
@@ -775,7 +775,8 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
     def dkdv():
-        _mla_bwd_dkdv_kernel[lambda meta: (triton.cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch)](
+        launch_tuned(
+            _mla_bwd_dkdv_kernel, lambda meta: (triton.cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch),
             q, k, v, do, lse2, delta, dk, dv, dq_acc, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dk, layout), *_bsh_strides(dv, layout),
@@ -795,7 +796,8 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
         dq.copy_(dq_acc * scale)  # one fp32 multiply, then RN to bf16 (as the dq kernel's epilogue)
         return dq, dk, dv
     if geo.max_q:
-        _mla_bwd_dq_kernel[lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)](
+        launch_tuned(
+            _mla_bwd_dq_kernel, lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch),
             q, k, v, do, lse2, delta, dq, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dq, layout),
