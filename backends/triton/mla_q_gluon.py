@@ -37,7 +37,8 @@ Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws128` 1.12x the cuBLAS GEMM 
 1.70-1.76x.
 
 Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
-sm90 (wgmma), Triton 3.6 or 3.9 (the API differences behind _gluon_compat.py). mla_q.forward_variant decides when it runs; the conformance suite compares its bytes
+sm90 (wgmma), Triton 3.6 or 3.9 (the API differences behind _gluon_compat.py). Registered as the variants
+gluon, gluon_ws and gluon_ws128 of mla_q.FORWARD_VARIANTS; the conformance suite compares its bytes
 with spec and with the other variants.
 """
 from __future__ import annotations
