@@ -36,7 +36,8 @@ Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws128` 1.12x the cuBLAS GEMM 
 16384 (timed in turns with it), `gluon_ws` 1.22-1.24x, `gluon` 1.32-1.34x, the Triton TMA kernel
 1.70-1.76x.
 
-Scope: bf16 x and w (the MXFP8 projection stays on the Triton kernels), T % 64 == 0, K % 8 == 0,
+Scope: bf16 x and w (an MXFP8 projection reaches them as its exact bf16 dequantization,
+mla_q._launch_gluon_dequantized), T % 64 == 0, K % 8 == 0,
 sm90 (wgmma), Triton 3.6 or 3.9 (the API differences behind _gluon_compat.py). Registered as the variants
 gluon, gluon_ws and gluon_ws128 of mla_q.FORWARD_VARIANTS; the conformance suite compares its bytes
 with spec and with the other variants.
