@@ -129,3 +129,27 @@ def test_check_values_variable_is_part_of_the_cached_choice(monkeypatch):
     monkeypatch.setenv("MXMLA_CHECK_VALUES", "2")
     with pytest.raises(ValueError, match="MXMLA_CHECK_VALUES"):
         dispatch.run("rope", x, cos, sin, positions=positions, backend="torch")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_index_checks_raise_instead_of_a_device_assert(monkeypatch, backend):
+    """On CUDA: the short table raises from shapes; index values raise under MXMLA_CHECK_VALUES=1; and
+    the context stays usable (a device-side assert would poison it for the rest of the process)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    x, cos, sin = (t.cuda() for t in _rope_inputs(tokens=40, rows=32))
+    with pytest.raises(ValueError, match="^cos: tables have 32 rows"):
+        dispatch.run("rope", x, cos, sin, backend=backend)
+    monkeypatch.setenv("MXMLA_CHECK_VALUES", "1")
+    x8, cos8, sin8 = x[:8], cos, sin
+    bad_pos = torch.tensor([0, 1, 2, 3, 40, 5, 6, 7], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"^positions: value 40 out of range \[0, 32\)"):
+        dispatch.run("rope", x8, cos8, sin8, positions=bad_pos, backend=backend)
+    bad_cu = torch.tensor([0, 40, 32], dtype=torch.int32, device="cuda")
+    xx, cc, ss = (t.cuda() for t in _rope_inputs(tokens=32, rows=64))
+    with pytest.raises(ValueError, match="^cu_seqlens: expected non-decreasing"):
+        dispatch.run("rope", xx, cc, ss, cu_seqlens=bad_cu, backend=backend)
+    good = dispatch.run("rope", xx, cc, ss, backend=backend)
+    torch.cuda.synchronize()
+    assert good.shape == xx.shape
