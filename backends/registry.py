@@ -21,6 +21,17 @@ from spec.constants import OPS
 Check = Callable[..., List[str]]
 
 
+def _check_reasons(check: Optional[Check], args, kwargs) -> List[str]:
+    """check(*args, **kwargs) as a list; a check that raises is a reason (a broken check must never hide
+    as "available")."""
+    if check is None:
+        return []
+    try:
+        return list(check(*args, **kwargs))
+    except Exception as exc:
+        return [f"capability check raised {type(exc).__name__}: {exc}"]
+
+
 @dataclass(frozen=True)
 class Implementation:
     op: str
@@ -30,12 +41,7 @@ class Implementation:
 
     def reasons(self, *args, **kwargs) -> List[str]:
         """Why this implementation cannot serve the call; [] when it can."""
-        if self.check is None:
-            return []
-        try:
-            return list(self.check(*args, **kwargs))
-        except Exception as exc:  # a broken check must never hide as "available"
-            return [f"capability check raised {type(exc).__name__}: {exc}"]
+        return _check_reasons(self.check, args, kwargs)
 
 
 @dataclass(frozen=True)
@@ -49,12 +55,7 @@ class Variant:
 
     def reasons(self, *args, **kwargs) -> List[str]:
         """Why this variant cannot serve the call; [] when it can."""
-        if self.check is None:
-            return []
-        try:
-            return list(self.check(*args, **kwargs))
-        except Exception as exc:  # a broken check must never hide as "available"
-            return [f"capability check raised {type(exc).__name__}: {exc}"]
+        return _check_reasons(self.check, args, kwargs)
 
 
 @dataclass

@@ -218,6 +218,16 @@ class MLAQProjection(nn.Module):
 _SEQ_AXIS = {"bshd": 1, "sbhd": 0, "thd": 0}
 
 
+def attention_operand(t, axis: int, path: str, backend=None):
+    """An attention operand for `path`: an MXTensor as it is; otherwise bf16 (path "bf16") or quantized
+    to MXFP8 along `axis` (path "mxfp8": q, k along D, v along S)."""
+    if isinstance(t, MXTensor):
+        return t
+    if path == "bf16":
+        return t.to(torch.bfloat16)
+    return mxag.mxfp8_quantize(t.contiguous(), axis=axis, backend=backend)
+
+
 class MLAAttention(nn.Module):
     """The MLA attention core: o, lse = attention(q, k, v) through `dispatch.autograd.mla_attention`.
 
@@ -238,11 +248,7 @@ class MLAAttention(nn.Module):
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
     def _prepare(self, t, axis: int):
-        if isinstance(t, MXTensor):
-            return t
-        if self.path == "bf16":
-            return t.to(torch.bfloat16)
-        return mxag.mxfp8_quantize(t.contiguous(), axis=axis, backend=self.backend)
+        return attention_operand(t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
                 causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:

@@ -22,9 +22,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.utils._pytree import tree_map_only
 
-import dispatch.autograd as mxag
+from dispatch.nn import attention_operand
 from spec.attention import SEQ_AXIS
-from spec.mxtensor import MXTensor
 
 from .ring import context_parallel_attention
 
@@ -111,11 +110,7 @@ class ContextParallelAttention(nn.Module):
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
     def _operand(self, t: Any, axis: int) -> Any:
-        if isinstance(t, MXTensor):
-            return t
-        if self.path == "bf16":
-            return t.to(torch.bfloat16)
-        return mxag.mxfp8_quantize(t.contiguous(), axis=axis, backend=self.backend)
+        return attention_operand(t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
                 causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
