@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """HF transformers' DeepSeek-V3 decoder layer, patched by mxmla (mxfp8, bf16) against unpatched (sdpa).
 
-    python benchmarks/bench_hf_layer.py --out OUT_DIR                  # layer timing + memory (CUDA)
-    python benchmarks/bench_hf_layer.py --train 200 --out OUT_DIR      # plus 200 training steps, 2 layers
-    python benchmarks/bench_hf_layer.py --smoke --train 5              # tiny, CPU, seconds
+Not one of `mxmla bench`'s bench_*.py scripts: it needs the optional `[hf]` extra (transformers).
+
+    python benchmarks/hf_layer.py --out OUT_DIR                  # layer timing + memory (CUDA)
+    python benchmarks/hf_layer.py --train 200 --out OUT_DIR      # plus 200 training steps, 2 layers
+    python benchmarks/hf_layer.py --smoke --train 5              # tiny, CPU, seconds
 
 Layer (timing): one `DeepseekV3DecoderLayer` with DeepSeek-V3's attention (hidden 7168, 128 heads,
 q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, rope_interleave=True), random
@@ -27,7 +29,7 @@ floor), the same seed and data for every variant. Reported: each variant's loss 
 relative difference of the final loss (mean of the last 10 steps) to unpatched, which must be
 within 2 %, and the largest per-step relative difference.
 
-JSON goes to --out (a folder: bench_hf_layer.json inside it; or a file path). The table is printed last.
+JSON goes to --out (a folder: hf_layer.json inside it; or a file path). The table is printed last.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ LAYER_VARIANTS = VARIANTS + ("mxfp8_cached",)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="folder (bench_hf_layer.json inside) or .json path for the results")
+    ap.add_argument("--out", help="folder (hf_layer.json inside) or .json path for the results")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch backend)")
     ap.add_argument("--train", type=int, default=0, metavar="STEPS", help="also train a 2-layer model this many steps")
     ap.add_argument("--no-layer", action="store_true", help="skip the layer timing")
@@ -322,7 +324,7 @@ def _out_path(out: str) -> str:
     if out.endswith(".json"):
         return out
     os.makedirs(out, exist_ok=True)
-    return os.path.join(out, "bench_hf_layer.json")
+    return os.path.join(out, "hf_layer.json")
 
 
 def main(argv=None) -> int:
