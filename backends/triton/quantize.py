@@ -64,6 +64,7 @@ from spec.quantize import normalize_axes
 from ..registry import register
 from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
 from ._fpbits import round_f32
+from ._mxfp8 import bf16_unsafe
 from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
                         encode, scale_byte, scale_multiplier, use_hw_cvt)
 from .swizzle import empty_output, swizzle_offset
@@ -646,8 +647,7 @@ def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOC
     x = _decode(codes, IS_E5M2, HW_CVT) * _scale_value(e)
     if GUARD:
         bits = x.to(tl.int32, bitcast=True)
-        # a zero code is +-0 under any finite scale byte: all-zero blocks (rceil byte 0) stay exact
-        bad = (((e < GUARD_LO) | (e > GUARD_HI)) & ((codes.to(tl.int32) & 0x7F) != 0)) | ((bits & 0x7F800000) == 0x7F800000)
+        bad = (bf16_unsafe(codes, e, GUARD_LO, GUARD_HI) != 0) | ((bits & 0x7F800000) == 0x7F800000)
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             tl.store(flag_ptr, 1)
     if HW_CVT:  # cvt.rn.bf16.f32
