@@ -26,8 +26,10 @@ cache must re-quantize). Per shape and path:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -243,11 +245,33 @@ def child_first_step(args) -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    bench.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    # the backward on this thread (not autograd's device thread), so that the profile sees it
+    with torch.autograd.set_multithreading_enabled(False):
+        bench.step()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+    prof.disable()
     t2 = time.perf_counter()
     print("FIRST_STEP " + json.dumps({"first_step_s": t2 - t1, "build_s": t1 - t0}), flush=True)
+    for line in first_step_breakdown(prof):
+        print("FIRST_PROFILE " + line, flush=True)
+
+
+def first_step_breakdown(prof, top: int = 16):
+    """Where a first step's seconds go: cumulative time of the project's functions and of Triton's
+    compile / autotune entry points (cProfile's overhead is small beside compilation)."""
+    stats = pstats.Stats(prof).stats
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = []
+    for (f, line, name), (cc, nc, tt, ct, _) in stats.items():
+        ours = f.startswith(os.path.join(root, "backends")) or f.startswith(os.path.join(root, "dispatch"))
+        triton_entry = "triton" in f and name in ("compile", "_bench", "run", "prune_configs", "warmup")
+        if (ours or triton_entry) and ct > 0.2:
+            rows.append((ct, nc, f"{os.path.relpath(f, root) if ours else os.path.basename(f)}:{line} {name}"))
+    rows.sort(reverse=True)
+    return [f"{ct:7.2f} s {nc:5d} calls  {where}" for ct, nc, where in rows[:top]]
 
 
 def first_steps(shape, path, backend, smoke) -> dict:
@@ -274,6 +298,8 @@ def first_steps(shape, path, backend, smoke) -> dict:
                 continue
             rec = json.loads(line[-1][len("FIRST_STEP "):])
             out[key] = rec["first_step_s"]
+            out[f"{key}_profile"] = [ln[len("FIRST_PROFILE "):] for ln in proc.stdout.splitlines()
+                                     if ln.startswith("FIRST_PROFILE ")]
             out[f"{key}_process_s"] = wall
     return out
 
@@ -288,6 +314,11 @@ def measure_first_steps(rec: benchlib.Recorder, args) -> None:
             for key in ("fresh_error", "second_error"):
                 if fs.get(key):
                     rec.note(f"B{b} S{s} {path} first step ({key}): {fs[key]}")
+            for key in ("fresh", "second"):
+                if fs.get(f"{key}_profile"):
+                    rec.note(f"B{b} S{s} {path} first step, {key} process: cumulative seconds by function")
+                    for ln in fs[f"{key}_profile"]:
+                        rec.note("   " + ln)
 
 
 def measure(rec: benchlib.Recorder, args) -> None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The MXFP8 training path on one GPU in one call: the CUDA tests of the ops the block runs, then
 # bench_mla_q --mx (op level, in turns with cuBLAS) and bench_block (the block, in turns), a table last.
-#   tools/gpu_block.sh [phases...]   phases: test mla_q block first (default: test mla_q block)
-# Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP (seconds each, SIGINT at the cap).
+#   tools/gpu_block.sh [phases...]   phases: test mla_q block first host hf parallel (default: test mla_q block)
+# Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, HOST_CAP, HF_CAP, PAR_CAP
+# (seconds each, SIGINT at the cap), HF_ARGS (default --train 200). hf needs the wheels in .whl_hf carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -38,6 +39,28 @@ for phase in ${*:-test mla_q block}; do
       --steps 1 --rounds 1 ${FIRST_ARGS:-} --json "$OUT/first_$COMMIT.json" > "$OUT/first_$COMMIT.log" 2>&1
     summary+=("first steps rc=$? $((SECONDS-start)) s")
     tail -8 "$OUT/first_$COMMIT.log"
+    ;;
+  host)
+    # where the MXFP8 forward's host time goes: each op's issue cost, then cProfile of one block forward
+    timeout -s INT "${HOST_CAP:-120}" python3 tools/profile_block_ops.py > "$OUT/host_ops_$COMMIT.log" 2>&1
+    timeout -s INT "${HOST_CAP:-120}" python3 benchmarks/bench_block.py --quick --paths mxfp8,bf16 --steps 3 --rounds 1 \
+      --no-profile --host-profile --json "$OUT/host_$COMMIT.json" > "$OUT/host_$COMMIT.log" 2>&1
+    summary+=("host profile rc=$? $((SECONDS-start)) s")
+    cat "$OUT/host_ops_$COMMIT.log"
+    ;;
+  hf)
+    # transformers (the [hf] extra) and its needs as wheels, in a separate target so the image's copies stay
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_hf .whl_hf/*.whl
+    PYTHONPATH="$PWD:/tmp/site_hf:${PYTHONPATH#$PWD:}" timeout -s INT "${HF_CAP:-240}" python3 benchmarks/hf_layer.py \
+      ${HF_ARGS:---train 200} --out "$OUT/hf_layer_$COMMIT.json" > "$OUT/hf_layer_$COMMIT.log" 2>&1
+    summary+=("hf_layer rc=$? $((SECONDS-start)) s")
+    tail -20 "$OUT/hf_layer_$COMMIT.log"
+    ;;
+  parallel)
+    timeout -s INT "${PAR_CAP:-150}" torchrun --standalone --nproc_per_node 1 tools/parallel_check.py \
+      --out "$OUT/parallel_$COMMIT.json" > "$OUT/parallel_$COMMIT.log" 2>&1
+    summary+=("parallel_check (world 1) rc=$? $((SECONDS-start)) s")
+    tail -15 "$OUT/parallel_$COMMIT.log"
     ;;
   esac
 done
