@@ -19,6 +19,8 @@ cache must re-quantize). Per shape and path:
   around the forward;
 - activation GiB: memory allocated at the end of the forward minus before it (what the backward keeps);
   peak GiB: the step's peak allocation minus the memory before it (activations + gradients + workspace);
+- host ms: wall time the host takes to issue one step; gpu-bound ms: the step timed with the host kept
+  ahead (a sleep kernel queued first), i.e. its GPU work alone; step ms above it is host-issue cost;
 - a GPU-time table of the step's kernels (torch.profiler, one profiled step after the timed ones);
 - first step: the first step's wall time in a fresh process with empty Triton / Inductor caches, and
   again in a second process sharing those caches (--first-step; a child process per path).
@@ -193,6 +195,27 @@ def host_ms(bench: Bench, n: int = 3) -> float:
     return statistics.median(out)
 
 
+def gpu_bound_ms(bench: Bench, n: int = 3):
+    """(step, fwd, bwd) median ms with the host kept ahead of the GPU: a sleep kernel queued before the
+    step lets the host issue all of it first, so the events time the step's GPU work alone. Its gap to
+    the plain step is what the host's issue rate costs (None on CPU)."""
+    if DEVICE != "cuda":
+        return None, None, None
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        torch.cuda._sleep(SLEEP_CYCLES)
+        bench.step(ev)
+        torch.cuda.synchronize()
+        out.append((ev[0].elapsed_time(ev[2]), ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])))
+    return tuple(statistics.median(v[i] for v in out) for i in range(3))
+
+
+# ~60 ms at the H200's 1.98 GHz: longer than any path's host issue time of one step
+SLEEP_CYCLES = 120_000_000
+
+
 def host_table(bench: Bench, top: int = 18):
     """[(function, own host ms, calls)] of one forward (cProfile: Python-level, where the host time of a
     path's forward goes; the forward issues the most small launches)."""
@@ -352,11 +375,12 @@ def measure(rec: benchlib.Recorder, args) -> None:
         for path, bench in benches.items():
             act, peak = bench.memory()
             issue_ms = host_ms(bench)
+            gpu_step, gpu_fwd, gpu_bwd = gpu_bound_ms(bench)
             row = dict(op="mla_block", shape=label, impl=path, path=path, tokens=cfg.tokens, ms=med[path][0],
                        step_ms=med[path][0], fwd_ms=med[path][1], bwd_ms=med[path][2],
                        ratio=(med[path][0] / ref) if ref else None, vs="torch",
                        vs_bf16=(med[path][0] / bf16) if bf16 else None, peak_act_gib=act, peak_gib=peak,
-                       host_ms=issue_ms,
+                       host_ms=issue_ms, gpu_bound_ms=gpu_step, gpu_bound_fwd_ms=gpu_fwd, gpu_bound_bwd_ms=gpu_bwd,
                        family="DeepSeek-V3 MLA block fwd+bwd")
             if args.first_step:
                 fs = first_steps((b, s), path, args.backend, args.smoke)
@@ -381,7 +405,7 @@ def measure(rec: benchlib.Recorder, args) -> None:
 
 COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
            ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
-           ("vs_bf16", "vs bf16", 8, ".3f"), ("host_ms", "host ms", 8, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
+           ("vs_bf16", "vs bf16", 8, ".3f"), ("host_ms", "host ms", 8, ".2f"), ("gpu_bound_ms", "gpu-bound", 9, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
            ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f"),
            ("fresh_process_s", "fresh proc s", 12, ".1f")]
 
