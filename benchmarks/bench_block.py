@@ -216,12 +216,10 @@ def gpu_bound_ms(bench: Bench, n: int = 3):
 SLEEP_CYCLES = 120_000_000
 
 
-def host_table(bench: Bench, top: int = 18):
+def host_table(bench: Bench, top: int = 18, cumulative: bool = False):
     """[(function, own host ms, calls)] of one forward (cProfile: Python-level, where the host time of a
-    path's forward goes; the forward issues the most small launches)."""
-    import cProfile
-    import pstats
-
+    path's forward goes; the forward issues the most small launches). cumulative: the project's own
+    functions by time including their callees instead (which layer of an op costs)."""
     for p in bench.params:
         p.grad = None
     if DEVICE == "cuda":
@@ -232,7 +230,10 @@ def host_table(bench: Bench, top: int = 18):
     prof.disable()
     del out
     stats = pstats.Stats(prof).stats
-    rows = [(f"{os.path.basename(f)}:{line} {name}", tt * 1e3, nc) for (f, line, name), (cc, nc, tt, ct, _) in stats.items()]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = tuple(os.path.join(root, d) for d in ("backends", "dispatch", "spec"))
+    rows = [(f"{os.path.basename(f)}:{line} {name}", (ct if cumulative else tt) * 1e3, nc)
+            for (f, line, name), (cc, nc, tt, ct, _) in stats.items() if not cumulative or f.startswith(ours)]
     rows.sort(key=lambda r: -r[1])
     return rows[:top]
 
@@ -397,6 +398,9 @@ def measure(rec: benchlib.Recorder, args) -> None:
             if args.host_profile:
                 rec.note(f"{label} {path}: host time of one forward by function (step issue {issue_ms:.2f} ms)")
                 for name, ms, count in host_table(bench):
+                    rec.note(f"    {ms:8.3f} ms x{count:<5d} {name[:100]}")
+                rec.note(f"{label} {path}: the project's functions in one forward, host ms with callees")
+                for name, ms, count in host_table(bench, top=30, cumulative=True):
                     rec.note(f"    {ms:8.3f} ms x{count:<5d} {name[:100]}")
         del benches
         if DEVICE == "cuda":
