@@ -39,6 +39,9 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "check copies them to the host, a device synchronisation per call. CPU calls are always checked"),
     Switch("MXMLA_TRITON_AUTOTUNE", FLAG, "1", "triton: gemm, mla_q, attention, quantize, rmsnorm, rope",
            "1: autotune tiles per shape bucket; 0: one fixed tile per kernel (no timing runs)"),
+    Switch("MXMLA_TRITON_PRETUNED", FLAG, "1", "triton: pretuned.py (every autotuned kernel but the gemm's)",
+           "1: autotuners start from the tile choices recorded for this GPU model (backends/triton/pretuned/); "
+           "0: full autotuning"),
     Switch("MXMLA_TRITON_FP8_MMA", FLAG, "0", "triton: _mxfp8.fp8_mma_widened (gemm, mla_q)",
            "1: MXFP8 block dots on the fp8 MMA (faster on sm90, narrower accumulator than fp32); "
            "0: codes widened to fp16 first"),

@@ -29,12 +29,23 @@ def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
 
 def autotune_cached(**kwargs):
     """triton.autotune, its results kept on disk beside Triton's compiled kernels (cache_results, where
-    this Triton has it): a second process with the same cache skips the timing runs."""
+    this Triton has it): a second process with the same cache skips the timing runs. The autotuner
+    starts from the choices recorded for this GPU model (pretuned.py), so a fresh process skips them
+    too for the shapes recorded."""
     import inspect
+
+    from . import pretuned
 
     if "cache_results" in inspect.signature(triton.autotune).parameters:
         kwargs.setdefault("cache_results", True)
-    return triton.autotune(**kwargs)
+    decorate = triton.autotune(**kwargs)
+
+    def make(fn):
+        tuner = decorate(fn)
+        pretuned.register(tuner)
+        return tuner
+
+    return make
 
 
 def autotune_enabled() -> bool:
