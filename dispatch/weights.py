@@ -144,6 +144,20 @@ def _proxy_backward(ctx, grad):
 _weight_proxy_op.register_autograd(_proxy_backward, setup_context=_proxy_setup)
 
 
+class _EagerWeightProxy(torch.autograd.Function):
+    """The same proxy and gradient as _weight_proxy_op for eager calls, without the custom op's
+    dispatch (host time on every forward; the custom op is for torch.compile and DTensor)."""
+
+    @staticmethod
+    def forward(ctx, w, rows):
+        _proxy_setup(ctx, (w, rows), None)
+        return grad_proxy(w.shape, torch.bfloat16, w.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _proxy_backward(ctx, grad)
+
+
 def _check_weight(w) -> None:
     if not isinstance(w, Tensor):
         raise TypeError(f"w: expected a torch.Tensor weight [N, K], got {type(w).__name__}")
@@ -203,7 +217,7 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
                 _cache[w] = entry
     else:
         entry = MXFP8Weight.quantize(w, backend, rows)
-    return entry.tracked(_weight_proxy_op(w, rows))
+    return entry.tracked(_EagerWeightProxy.apply(w, rows))
 
 
 def invalidate(w: Optional[Tensor] = None) -> None:

@@ -186,8 +186,8 @@ class MLABlock(torch.nn.Module):
                 # made once per optimizer step (re-quantized when the weight's version changes)
                 w_row, w_col = quantized_weight(self.w_uq, backend=self.backend)
                 # the fused op takes cos/sin rows per token: token t of sequence b sits at position t % seq
-                positions = torch.arange(s, device=h.device).repeat(b)
-                q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos[positions], sin[positions],
+                cos_t, sin_t = (cos, sin) if b == 1 else (cos.repeat(b, 1), sin.repeat(b, 1))
+                q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos_t, sin_t,
                                                        quantize_grad=self.quantize_grad, x_t=y_col, w_n=w_col,
                                                        backend=self.backend)
                 q = mxag.reshape_mx(q_row, (b, s, cfg.heads, QK_DIM))

@@ -636,12 +636,13 @@ def forward_variant(x, w) -> str:
     return "pointer"
 
 
-def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="full"):
+def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="full", verified=False):
     """Run the fused forward. `variant`: one of FORWARD_VARIANTS (default: forward_variant; a named one
     that cannot run raises ValueError with its reasons); `config` (dict of
     BLOCK_M, BLOCK_K, GROUP_M, ROPE_SPLIT (pointer only), num_warps, num_stages) bypasses autotuning
     (tests and benchmarks use it to pin a variant). `epilogue` other than "full" (EPILOGUE_PARTS; TMA
-    variant and a pinned config only) is for profiling: its outputs are not the op's."""
+    variant and a pinned config only) is for profiling: its outputs are not the op's. `verified`: the
+    caller already checked the named variant's reasons for these operands (the dispatcher does)."""
     mx = isinstance(x, MXTensor)
     xd, wd = (x.data, w.data) if mx else (x, w)
     tokens, k = xd.shape
@@ -665,8 +666,9 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
             for t in (row_codes, col_codes, row_scale, col_scale):
                 t.view(torch.uint8).zero_()
         return q_row, q_col
-    variant = variant or forward_variant(x, w)
-    reasons = forward_variant_reasons(variant, x, w)
+    if variant is None:
+        variant, verified = forward_variant(x, w), True
+    reasons = [] if verified else forward_variant_reasons(variant, x, w)
     if reasons:  # a named kernel runs or raises: never another one in its place
         raise ValueError(f"variant={variant!r} cannot run here: " + "; ".join(reasons))
     cos, sin = _unit_last(cos), _unit_last(sin)
@@ -1066,8 +1068,9 @@ def _bwd_reasons(dq, x, w, cos, sin, quantize_grad=False) -> List[str]:
 
 @register("mla_q_uproj_rope_quant", "triton", check=_fwd_reasons)
 def mla_q_uproj_rope_quant(x, w, cos, sin, variant=None):
-    """The dispatcher passes the FORWARD_VARIANTS entry it chose (or the caller named)."""
-    return mla_q_forward_launch(x, w, cos, sin, variant=variant)
+    """The dispatcher passes the FORWARD_VARIANTS entry it chose (or the caller named), having checked
+    its reasons for this call signature (they read nothing else), so the launch does not check again."""
+    return mla_q_forward_launch(x, w, cos, sin, variant=variant, verified=variant is not None)
 
 
 # Backward variants: "bf16" is the quantize_grad=False backward (two bf16 GEMMs); the MXFP8 backward

@@ -44,6 +44,8 @@ with spec and with the other variants.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -578,10 +580,14 @@ def gluon_reasons(x, w, dequantized: bool = False) -> list:
     return reasons
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, bf16: bool):
+    # one per tile shape: building it is host time on every launch otherwise
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.uint8)
+
+
 def _desc(t, block):
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.uint8
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype == torch.bfloat16))
 
 
 def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False,
