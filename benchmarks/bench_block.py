@@ -28,8 +28,8 @@ cache must re-quantize). Per shape and path:
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
+import cProfile
 import os
 import pstats
 import statistics
@@ -269,33 +269,83 @@ def child_first_step(args) -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    prof = cProfile.Profile()
-    prof.enable()
-    # the backward on this thread (not autograd's device thread), so that the profile sees it
-    with torch.autograd.set_multithreading_enabled(False):
+    with FirstCallCosts() as costs:
         bench.step()
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    prof.disable()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
     t2 = time.perf_counter()
     print("FIRST_STEP " + json.dumps({"first_step_s": t2 - t1, "build_s": t1 - t0}), flush=True)
-    for line in first_step_breakdown(prof):
+    for line in costs.lines():
         print("FIRST_PROFILE " + line, flush=True)
 
 
-def first_step_breakdown(prof, top: int = 16):
-    """Where a first step's seconds go: cumulative time of the project's functions and of Triton's
-    compile / autotune entry points (cProfile's overhead is small beside compilation)."""
-    stats = pstats.Stats(prof).stats
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rows = []
-    for (f, line, name), (cc, nc, tt, ct, _) in stats.items():
-        ours = f.startswith(os.path.join(root, "backends")) or f.startswith(os.path.join(root, "dispatch"))
-        triton_entry = "triton" in f and name in ("compile", "_bench", "run", "prune_configs", "warmup")
-        if (ours or triton_entry) and ct > 0.2:
-            rows.append((ct, nc, f"{os.path.relpath(f, root) if ours else os.path.basename(f)}:{line} {name}"))
-    rows.sort(reverse=True)
-    return [f"{ct:7.2f} s {nc:5d} calls  {where}" for ct, nc, where in rows[:top]]
+class FirstCallCosts:
+    """Where a first step's seconds go: each dispatched op's first call (synchronized, wall), and inside
+    them Triton's compilations and autotuning runs by kernel (JITFunction._do_compile and
+    Autotuner._bench wrapped while this is entered; a Triton without them reports ops only)."""
+
+    def __init__(self):
+        self.ops, self.compiles, self.benches = {}, {}, {}
+        self._undo = []
+
+    def _wrap(self, owner, name, table, label):
+        real = getattr(owner, name, None)
+        if real is None:
+            return
+
+        def timed(obj, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return real(obj, *args, **kwargs)
+            finally:
+                key = label(obj)
+                n, sec = table.get(key, (0, 0.0))
+                table[key] = (n + 1, sec + time.perf_counter() - t0)
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, real))
+
+    def __enter__(self):
+        import dispatch
+
+        try:
+            from triton.runtime import autotuner, jit
+            self._wrap(jit.JITFunction, "_do_compile", self.compiles, lambda f: getattr(f, "__name__", "?"))
+            self._wrap(autotuner.Autotuner, "_bench", self.benches, lambda a: getattr(a.fn, "__name__", "?"))
+        except ImportError:
+            pass
+        real_run = dispatch.run
+
+        def run(op, *args, **kwargs):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return real_run(op, *args, **kwargs)
+            finally:
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                n, sec = self.ops.get(op, (0, 0.0))
+                self.ops[op] = (n + 1, sec + time.perf_counter() - t0)
+
+        dispatch.run = run
+        self._undo.append((dispatch, "run", real_run))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+        return False
+
+    def lines(self):
+        out = []
+        for title, table in (("op (dispatch.run, synced)", self.ops), ("compile", self.compiles),
+                             ("autotune timing", self.benches)):
+            total = sum(sec for _, sec in table.values())
+            out.append(f"{title}: {total:.2f} s")
+            for key, (n, sec) in sorted(table.items(), key=lambda kv: -kv[1][1])[:12]:
+                out.append(f"   {sec:7.2f} s {n:4d}x  {key}")
+        return out
 
 
 def first_steps(shape, path, backend, smoke) -> dict:
@@ -340,7 +390,7 @@ def measure_first_steps(rec: benchlib.Recorder, args) -> None:
                     rec.note(f"B{b} S{s} {path} first step ({key}): {fs[key]}")
             for key in ("fresh", "second"):
                 if fs.get(f"{key}_profile"):
-                    rec.note(f"B{b} S{s} {path} first step, {key} process: cumulative seconds by function")
+                    rec.note(f"B{b} S{s} {path} first step, {key} process: where its seconds go")
                     for ln in fs[f"{key}_profile"]:
                         rec.note("   " + ln)
 
