@@ -331,6 +331,27 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def cmd_warmup(args) -> int:
+    """Compile and tune the query path's kernels for one shape (dispatch.warmup.mla_block)."""
+    import torch
+
+    from . import warmup
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("mxmla warmup: --device cuda, but CUDA is not available here", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        seconds = warmup.mla_block(args.seq, batch=args.batch, heads=args.heads, q_lora=args.q_lora, path=args.path,
+                                   backend=args.backend, device=device)
+    except ValueError as exc:
+        print(f"mxmla warmup: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"mxmla warmup: {args.path} query path + attention, B{args.batch} S{args.seq} H{args.heads} "
+          f"q_lora {args.q_lora} on {device}: {seconds:.1f} s")
+    return 0
+
+
 def cmd_bench(bench_args) -> int:
     """Delegates to benchmarks/run_all.py of the source checkout (all its flags: `mxmla bench --help`)."""
     if not BENCH_RUNNER.is_file():
@@ -361,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mxmla", description="mxmla: the DeepSeek-V3 MLA query path in MXFP8 -- conformance, "
                                   "backend selection and benchmarks on this machine.")
     parser.add_argument("--version", action="version", version=f"mxmla {package_version()}")
-    sub = parser.add_subparsers(dest="cmd", metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{info,check,warmup,bench}")
     p_info = sub.add_parser("info", help="device, backends, versions, and each op's automatic choice")
     p_info.add_argument("-v", "--verbose", action="store_true", help="every rejected backend with its reasons")
     p_check = sub.add_parser("check", help="run the conformance suite on this machine's backends; "
@@ -370,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_check.add_argument("--backend", help=f"{', '.join(CHECK_BACKENDS)} (comma list)")
     p_check.add_argument("--op", help="op names or module names (comma list), e.g. rope,quantize")
     p_check.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output")
+    p_warm = sub.add_parser("warmup", help="compile and tune the query path's kernels for a training shape "
+                                           "ahead of the first step")
+    p_warm.add_argument("--batch", type=int, default=1)
+    p_warm.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p_warm.add_argument("--heads", type=int, default=128, help="attention heads (per rank under tensor parallelism)")
+    p_warm.add_argument("--q-lora", type=int, default=1536, help="q_lora_rank (the projection's input width)")
+    p_warm.add_argument("--path", choices=("mxfp8", "bf16"), default="mxfp8")
+    p_warm.add_argument("--backend", default=None, help="backend for every op (default: automatic)")
+    p_warm.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     # Every argument after `bench` goes to benchmarks/run_all.py (its own parser, its own --help).
     sub.add_parser("bench", add_help=False, help="run every benchmark under time caps: JSON, plots, one table "
                                                  "(needs CUDA; --smoke on a CPU; mxmla bench --help)")
@@ -389,7 +419,7 @@ def main(argv=None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
-        return {"info": cmd_info, "check": cmd_check}[args.cmd](args)
+        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup}[args.cmd](args)
     except ConfigError as exc:
         print(f"mxmla {args.cmd}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
