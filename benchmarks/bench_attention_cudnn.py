@@ -21,8 +21,9 @@ alone (graph.execute replaced by a no-op), and through dispatch.run, for both op
 (attention.BIND "view" and "ptr"); budget 20 us (ratio = 20 / us). Also noted: first-call (graph
 build) time, and the plan cuDNN picked.
 
-MXFP8 rows run only where the backend accepts MXFP8 (compute capability 10.x, cuDNN >= 9.21);
-elsewhere the capability reasons are printed.
+MXFP8 rows (B=1 S=4096 H=128 causal): the backend on MXFP8 q, k, v -- natively on compute capability
+10.x with cuDNN >= 9.21, on sm90 by an exact bf16 dequantization into its bf16 graph -- against torch's
+cuDNN SDPA on bf16 tensors of the same shapes, interleaved; where the backend refuses, its reasons.
 """
 from __future__ import annotations
 
@@ -389,16 +390,26 @@ def measure(args, rec, info):
         fwd = lambda: att.mla_attention(q_mx, k_mx, v_mx, causal=True)  # noqa: E731
         rec.note(f"cudnn fwd {shape}: first call {first_call_s(fwd):.2f} s")
         o, lse = fwd()
-        ms = bench_ms(fwd)
-        fl = flops(b, s, s, h, True, "fwd")
-        rec.row(op="fwd", impl="cudnn mxfp8 (ours)", ms=ms, tflops=fl / ms / 1e9, flops=fl,
-                bytes=traffic(b, s, h, "fwd", mx=True), note="includes scale re-layout", **common)
         bwd = lambda: att.mla_attention_backward(do, q_mx, k_mx, v_mx, o, lse, causal=True)  # noqa: E731
         rec.note(f"cudnn bwd {shape}: first call {first_call_s(bwd):.2f} s")
-        ms = bench_ms(bwd)
-        fl = flops(b, s, s, h, True, "bwd")
-        rec.row(op="bwd", impl="cudnn mxfp8 (ours)", ms=ms, tflops=fl / ms / 1e9, flops=fl,
-                bytes=traffic(b, s, h, "bwd"), note="includes re-quantizing q, k, v, do and scale re-layout", **common)
+        # the baseline: torch's cuDNN SDPA on bf16 tensors of the same shapes (what a bf16 model runs)
+        base = torch_baseline(q, k, v, do, True, 1.0 / math.sqrt(D_QK), rec.note, shape)
+        fns = {"fwd": fwd, "bwd": bwd}
+        if base:
+            fns["torch_fwd"] = base["fwd_fn"]
+            if "bwd_fn" in base:
+                fns["torch_bwd"] = base["bwd_fn"]
+        ms = benchlib.interleaved_ms(fns, rounds=3 if args.quick else 5, bench=bench_ms)
+        for op, note in (("fwd", "MXFP8 q, k, v in (sm90: exact bf16 dequantization, then the bf16 graph)"),
+                         ("bwd", "bf16 gradients; sm90: dequantized operands, the bf16 graph")):
+            fl = flops(b, s, s, h, True, op)
+            ref = ms.get(f"torch_{op}")
+            rec.row(op=op, impl="cudnn mxfp8 (ours)", ms=ms[op], tflops=fl / ms[op] / 1e9, flops=fl,
+                    bytes=traffic(b, s, h, op, mx=op == "fwd"), ratio=(ref / ms[op]) if ref else None,
+                    vs=(base["label"] + " on bf16") if ref else None, note=note, **common)
+            if ref:
+                rec.row(op=op, impl=base["label"] + " bf16", ms=ref, tflops=fl / ref / 1e9, ratio=1.0,
+                        vs=base["label"], note="baseline", **common)
     del q, k, v, do, q_mx, k_mx, v_mx
     torch.cuda.empty_cache()
 
