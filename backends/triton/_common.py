@@ -13,6 +13,33 @@ from spec.mxtensor import MXTensor
 from .. import settings
 
 
+_DEVICE_FACTS: dict = {}
+
+
+def _device_fact(kind: str, fn, device):
+    # keyed on the torch function too, so that a test's mock of it is asked, not a value cached before
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kind, fn, index)
+    value = _DEVICE_FACTS.get(key)
+    if value is None:
+        value = fn(torch.device("cuda", index))
+        value = tuple(value) if kind == "cc" else value.multi_processor_count
+        _DEVICE_FACTS[key] = value
+    return value
+
+
+def device_capability(device) -> Tuple[int, int]:
+    """torch.cuda.get_device_capability(device), kept per device: launch paths ask on every call, and
+    the lookup costs tens of microseconds of host time."""
+    return _device_fact("cc", torch.cuda.get_device_capability, device)
+
+
+def sm_count(device) -> int:
+    """The device's multiprocessor count (torch.cuda.get_device_properties), kept per device."""
+    return _device_fact("sms", torch.cuda.get_device_properties, device)
+
+
 def interpret_mode() -> bool:
     return settings.interpret_mode()
 

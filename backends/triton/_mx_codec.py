@@ -14,7 +14,7 @@ import triton.language as tl
 
 from spec.constants import ELEM_FORMATS
 
-from ._common import env_flag, interpret_mode
+from ._common import device_capability, env_flag, interpret_mode
 
 F32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
 F32_INF_BITS = tl.constexpr(0x7F800000)
@@ -55,7 +55,7 @@ def use_hw_cvt(device: torch.device) -> bool:
     MXMLA_TRITON_SOFT_FP8=1 asks for the bit versions (the interpreter always gets those)."""
     if interpret_mode() or device.type != "cuda" or env_flag("MXMLA_TRITON_SOFT_FP8", False):
         return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device_capability(device) >= (9, 0)
 
 
 @triton.jit

@@ -81,7 +81,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_enabled, interpret_mode, sm_count, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
 from ._tiles import grouped_tile
@@ -600,7 +600,7 @@ def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None, config=None) -> torch.Tensor:

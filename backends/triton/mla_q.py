@@ -94,7 +94,7 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, device_capability, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, bf16_unsafe, decode_e4m3, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
@@ -539,7 +539,7 @@ def _interpret_config(**overrides):
 
 def _hw_cvt(device: torch.device) -> bool:
     """GPU cvt.rn instructions for bf16 / e4m3 (sm89+ has the fp8 conversion); bit versions otherwise."""
-    return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and not interpret_mode() and device_capability(device) >= (8, 9)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

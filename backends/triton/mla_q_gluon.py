@@ -54,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._common import sm_count
 from ._gluon_compat import async_load, async_store, barrier, reinterpret, tile_coords, version_reasons
 from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
 
@@ -617,7 +618,7 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
     if variant != "gluon":
         if mainloop_only:
             raise ValueError("mainloop_only: the warp-specialized kernels have no main-loop-only mode")
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        sms = sm_count(x.device)
         kernel = _mla_q_fwd_gluon_ws_kernel
         if variant == "gluon_ws128":
             kernel, tiles = _mla_q_fwd_gluon_ws128_kernel, tiles // 2

@@ -35,7 +35,7 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, interpret_mode, sm_count, triton_reasons
 from ._fpbits import widen_f32
 from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
 
@@ -145,7 +145,7 @@ def _configs() -> List[triton.Config]:
 
 
 def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 def _prune(configs, named_args, **kwargs):
