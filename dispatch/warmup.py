@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .autograd import reshape_mx
 from .nn import MLAAttention, MLAQProjection, PATHS
 
 _QK_ROPE, _QK_NOPE, _V = 64, 128, 128
@@ -54,16 +55,11 @@ def mla_block(tokens: int = 4096, *, batch: int = 1, heads: int = 128, q_lora: i
     k = randn(batch, tokens, heads, _QK_NOPE + _QK_ROPE).to(torch.bfloat16).requires_grad_(True)
     v = randn(batch, tokens, heads, _V).to(torch.bfloat16).requires_grad_(True)
     q = proj(c_q, cos, sin)
-    q = q.reshape(batch, tokens, heads, _QK_NOPE + _QK_ROPE) if isinstance(q, torch.Tensor) else \
-        _reshape_mx(q, (batch, tokens, heads, _QK_NOPE + _QK_ROPE))
+    shape = (batch, tokens, heads, _QK_NOPE + _QK_ROPE)
+    q = q.reshape(shape) if isinstance(q, torch.Tensor) else reshape_mx(q, shape)
     o, _ = attn(q, k, v)
     o.backward(randn(*o.shape, scale=1e-3).to(o.dtype))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
-
-def _reshape_mx(t, shape):
-    from .autograd import reshape_mx
-
-    return reshape_mx(t, shape)

@@ -217,7 +217,9 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
                 _cache[w] = entry
     else:
         entry = MXFP8Weight.quantize(w, backend, rows)
-    return entry.tracked(_EagerWeightProxy.apply(w, rows))
+    # the custom op for tensor subclasses (FakeTensor, ...), as dispatch.autograd's eager rule does
+    plain = type(w) in (Tensor, torch.nn.Parameter)
+    return entry.tracked(_EagerWeightProxy.apply(w, rows) if plain else _weight_proxy_op(w, rows))
 
 
 def invalidate(w: Optional[Tensor] = None) -> None:

@@ -16,28 +16,31 @@ from .. import settings
 _DEVICE_FACTS: dict = {}
 
 
-def _device_fact(kind: str, fn, device):
-    # keyed on the torch function too, so that a test's mock of it is asked, not a value cached before
+def _device_fact(fn, pick, device):
+    """pick(fn(device)), kept per device. Keyed on the torch function too, so that a test's mock of it
+    is asked, not a value cached before."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kind, fn, index)
+    key = (fn, pick, index)
     value = _DEVICE_FACTS.get(key)
     if value is None:
-        value = fn(torch.device("cuda", index))
-        value = tuple(value) if kind == "cc" else value.multi_processor_count
-        _DEVICE_FACTS[key] = value
+        value = _DEVICE_FACTS[key] = pick(fn(torch.device("cuda", index)))
     return value
+
+
+def _multiprocessors(props) -> int:
+    return props.multi_processor_count
 
 
 def device_capability(device) -> Tuple[int, int]:
     """torch.cuda.get_device_capability(device), kept per device: launch paths ask on every call, and
     the lookup costs tens of microseconds of host time."""
-    return _device_fact("cc", torch.cuda.get_device_capability, device)
+    return _device_fact(torch.cuda.get_device_capability, tuple, device)
 
 
 def sm_count(device) -> int:
     """The device's multiprocessor count (torch.cuda.get_device_properties), kept per device."""
-    return _device_fact("sms", torch.cuda.get_device_properties, device)
+    return _device_fact(torch.cuda.get_device_properties, _multiprocessors, device)
 
 
 def interpret_mode() -> bool:
