@@ -96,7 +96,7 @@ from spec.mxtensor import MXTensor
 from ..registry import register, register_variant, variants
 from ._common import autotune_cached, autotune_enabled, device_capability, interpret_mode, triton_reasons
 from ._fpbits import round_f32, widen_f32
-from ._mxfp8 import (amax_bits_ignoring_nan, bf16_unsafe, decode_e4m3, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
+from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
 from ._tiles import grouped_tile
 from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
@@ -831,27 +831,44 @@ def _grad_prep_kernel(
         tl.store(colt_scale_ptr + offs_c.to(tl.int64)[None, :] * (R // 32) + rb[:, None], e.to(tl.uint8),
                  mask=(rb < R // 32)[:, None] & c_ok[None, :])
     if ROW_DQ or COL_DQ:
-        bad = tl.zeros([BLOCK_R, WIDTH], tl.int32)
         out_off = offs_r.to(tl.int64)[:, None] * C + offs_c[None, :]
         ok2 = r_ok[:, None] & c_ok[None, :]
-        # the codes on integer bits here (HW_CVT False): codes from the GPU's fp32 -> e4m3 cvt, read back
-        # as bits in the same kernel, gave wrong values on the H200 (Triton 3.6), stores of them did not
+        # the guard per element is only "v is NaN": a nonzero code under an unsafe scale byte is decided
+        # per block (the block's largest code is the code of its amax), and no other value can leave a
+        # bf16-exact dequantization non-finite (Inf blocks take byte 254, outside the safe range)
+        bad = tl.max(tl.max(tl.where(ok2 & (v != v), 1, 0), axis=1), axis=0)
         if ROW_DQ:
-            codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), False)
-            dq_r = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
-            bad |= tl.reshape(bf16_unsafe(codes, e[:, :, None], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
-            bad |= ((dq_r.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+            v3 = tl.reshape(v, [BLOCK_R, 2, 32])
+            amax = amax_bits_ignoring_nan(v3, 2)
+            e = rceil_scale_from_amax_bits(amax)
+            s_inv = scale_multiplier(e)
+            dq_r = tl.reshape(e4m3_value(v3 * s_inv[:, :, None]) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
             tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
+            blk_ok = r_ok[:, None] & ((pid_c * 2 + tl.arange(0, 2)) * 32 < C)[None, :]
+            unsafe = _block_unsafe(amax, e, s_inv) & blk_ok
+            bad = tl.maximum(bad, tl.max(tl.max(unsafe.to(tl.int32), axis=1), axis=0))
         if COL_DQ:
             NB2: tl.constexpr = BLOCK_R // 32
-            codes, e = _quantize_cols(tl.reshape(v, [NB2, 32, WIDTH]), False)
-            dq_c = tl.reshape(decode_e4m3(codes) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
-            bad |= tl.reshape(bf16_unsafe(codes, e[:, None, :], SAFE_LO, SAFE_HI), [BLOCK_R, WIDTH])
-            bad |= ((dq_c.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000).to(tl.int32)
+            v3 = tl.reshape(v, [NB2, 32, WIDTH])
+            amax = amax_bits_ignoring_nan(v3, 1)
+            e = rceil_scale_from_amax_bits(amax)
+            s_inv = scale_multiplier(e)
+            dq_c = tl.reshape(e4m3_value(v3 * s_inv[:, None, :]) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
             tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
-        bad = tl.where(ok2, bad, 0)  # rows past R are clamped copies of row R - 1, never stored
-        if tl.max(tl.max(bad, axis=1), axis=0) > 0:
+            blk_ok = ((pid_r * NB2 + tl.arange(0, NB2)) * 32 < R)[:, None] & c_ok[None, :]
+            unsafe = _block_unsafe(amax, e, s_inv) & blk_ok
+            bad = tl.maximum(bad, tl.max(tl.max(unsafe.to(tl.int32), axis=1), axis=0))
+        if bad > 0:
             tl.store(flag_ptr, 1)
+
+
+@triton.jit
+def _block_unsafe(amax_bits, e, s_inv):
+    """Blocks whose dequantization is not exact in bf16: a scale byte outside [SAFE_LO, SAFE_HI] over a
+    nonzero code. Codes are monotone in |y|, so the block has a nonzero code iff its amax's code is
+    nonzero (all-zero blocks -- byte 0 -- stay on the fast path)."""
+    nonzero = e4m3_value(amax_bits.to(tl.float32, bitcast=True) * s_inv) != 0.0
+    return ((e < SAFE_LO) | (e > SAFE_HI)) & nonzero
 
 
 def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False,
@@ -879,7 +896,9 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     if cos is None:
         cos = sin = torch.zeros((1, MLA_ROPE_DIM), dtype=torch.float32, device=device)
     cos, sin = _unit_last(cos), _unit_last(sin)
-    block_r = 64 if interpret_mode() else 128
+    # dequantized outputs: [64, 64] tiles on 4 warps keep ~90 registers a thread (several programs per SM
+    # in flight: the pass is memory-bound); the codes outputs keep [128, 64]
+    block_r = 64 if interpret_mode() or dq_out else 128
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
     dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)

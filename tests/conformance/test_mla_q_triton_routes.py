@@ -185,3 +185,72 @@ def test_forward_gated_fallback(mla, raised):
         assert_bytes_equal(outs[3], want[1].scale, "q_col scales")
     else:
         assert all(bool((o.view(torch.uint8) == 0xFF).all()) for o in outs), "a gated launch wrote output"
+
+
+def _prepass_input(tag, rows=64, cols=384):
+    """bf16 [rows, cols]: row blocks at magnitudes 2^-30..2^30, special values scattered, an all-zero and
+    an all-NaN block each way, a block one ulp off powers of two, and blocks at tiny (bf16-unsafe) scales."""
+    from tests.util import special_values_f32
+
+    rng = _rng("prepass", tag)
+    v = rng.standard_normal((rows, cols)) * 2.0 ** rng.integers(-30, 31, size=(rows, 1))
+    sv = special_values_f32()
+    sv = sv[np.isfinite(sv.astype(BF16).astype(np.float32)) | np.isnan(sv)]  # fp32-only extremes become Inf in bf16
+    at = rng.choice(rows * cols, size=3 * sv.size, replace=False)
+    v.reshape(-1)[at] = np.resize(sv, at.size)
+    v[3, 64:96] = 0.0                       # an all-zero row block
+    v[32:64, 130] = 0.0                     # an all-zero column block
+    v[7, 96:128] = np.nan                   # an all-NaN row block
+    v[10, 160:192] = np.float32(2.0) ** rng.integers(-8, 9, 32) * (1 - 2.0 ** -8)  # one bf16 ulp below 2^k
+    return v.astype(BF16)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("case", ["finite", "specials", "tiny"])
+def test_prepass_dequantized_bytes_and_guard(mla, case, rope):
+    # the pre-pass's bf16 outputs are the exact dequantization of spec's row- and column-blocked MXFP8 of
+    # g (RoPE backward applied when rope) wherever the guard stays down; the flag is up iff some block
+    # has a nonzero code under a scale byte outside BF16_SAFE_SCALE_BYTES or some value is NaN
+    mod, device = mla
+    rows, cols = 64, 384  # cols = 2 heads of 192
+    if case == "finite":
+        src = (_rng("finite").standard_normal((rows, cols)) * 2.0 ** _rng("fm").integers(-20, 21, (rows, 1))).astype(BF16)
+    elif case == "specials":
+        src = _prepass_input("specials")
+    else:
+        src = (_rng("tiny").standard_normal((rows, cols)) * 2.0 ** -121).astype(BF16)
+    cos = _rng("cos").uniform(-1, 1, (rows, 64)).astype(np.float32)
+    sin = _rng("sin").uniform(-1, 1, (rows, 64)).astype(np.float32)
+    if rope:  # the mla RoPE backward of each head's last 64 features (halves in, interleaved pairs out)
+        g = src.astype(np.float32).reshape(rows, 2, 192).copy()
+        gl, gr = g[..., 128:160], g[..., 160:192]
+        ev = np.float32(gl * cos[:, None, :32]) + np.float32(gr * sin[:, None, 32:])
+        od = np.float32(gr * cos[:, None, 32:]) - np.float32(gl * sin[:, None, :32])
+        g[..., 128::2], g[..., 129::2] = ev, od
+        g = g.reshape(rows, cols)
+    else:
+        g = src.astype(np.float32)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    st = to_torch(src, device)
+    got_r, got_c = mod._prep_launch(st, to_torch(cos, device) if rope else None, to_torch(sin, device) if rope else None,
+                                    rope=rope, row_dq=True, col_dq=True, flag=flag)
+    unsafe = False
+    lo, hi = mod.BF16_SAFE_SCALE_BYTES["e4m3"]
+    for axis, got in ((1, got_r), (0, got_c)):
+        q = spec.mxfp8_quantize(g, axis=axis)
+        want = spec.mxfp8_dequantize(q, out_dtype="bfloat16")
+        codes = q.data.view(np.uint8) & 0x7F
+        sc = np.repeat(q.scale, 32, axis=axis).astype(np.int32)
+        bad = (((sc < lo) | (sc > hi)) & (codes != 0)) | np.isnan(g)
+        unsafe |= bool(bad.any())
+        # every element outside a flagged block is the exact dequantization (flagged blocks' values are
+        # replaced by the exact path)
+        blk = bad.reshape(rows, cols // 32, 32).any(axis=2).repeat(32, axis=1) if axis == 1 else \
+            bad.reshape(rows // 32, 32, cols).any(axis=1).repeat(32, axis=0)
+        keep = ~blk
+        got_np = got.cpu().view(torch.int16).numpy()
+        assert np.array_equal(got_np[keep], want.view(np.int16)[keep]), f"axis {axis}: dequantized bytes differ"
+        if not blk.any():
+            assert_bytes_equal(got.cpu(), want, f"axis {axis} dequantized")
+    assert int(flag.item()) == int(unsafe), f"guard {int(flag.item())}, expected {int(unsafe)}"
+    assert unsafe == (case != "finite")
