@@ -42,6 +42,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_TRITON_PRETUNED", FLAG, "1", "triton: pretuned.py (every autotuned kernel but the gemm's)",
            "1: autotuners start from the tile choices recorded for this GPU model (backends/triton/pretuned/); "
            "0: full autotuning"),
+    Switch("MXMLA_TRITON_BACKGROUND_COMPILE", FLAG, "1", "triton: _common.launch_gated (gemm, mla_q)",
+           "1: an exact fallback kernel (gated on a device-side guard) compiles in a background thread at its "
+           "first call, which meanwhile reads the guard on the host (one synchronisation) and compiles and runs "
+           "the fallback only if it is raised; 0: compiled at its first launch"),
     Switch("MXMLA_TRITON_FP8_MMA", FLAG, "0", "triton: _mxfp8.fp8_mma_widened (gemm, mla_q)",
            "1: MXFP8 block dots on the fp8 MMA (faster on sm90, narrower accumulator than fp32); "
            "0: codes widened to fp16 first"),

@@ -91,6 +91,58 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     return kernel.fn[grid](*args, **kwargs, **kernel.configs[0].all_kwargs())
 
 
+_COMPILER = None  # a ThreadPoolExecutor, made on first use
+_GATED_STATE: dict = {}  # (kernel, device index, constexpr items) -> Future of its background compile
+
+
+def _compiler():
+    global _COMPILER
+    if _COMPILER is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _COMPILER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mxmla-compile")
+    return _COMPILER
+
+
+def _stand_in(v):
+    """What the kernel's specialization reads of a launch argument, without holding its memory: a tensor
+    becomes its dtype (Triton's warmup takes a dtype for a 16-byte aligned pointer of that type)."""
+    return v.dtype if isinstance(v, torch.Tensor) else v
+
+
+def launch_gated(kernel, grid, flag: torch.Tensor, *args, **kwargs) -> None:
+    """Launch an exact-fallback kernel that returns at once unless *flag (an int32 device tensor its
+    guard raised) is nonzero. The first call for a (kernel, device, constexprs) on CUDA hands its
+    compilation to a background thread (MXMLA_TRITON_BACKGROUND_COMPILE, on by default): the fallback
+    almost never runs, so its seconds of compilation need not sit on the caller's first step. Until that
+    compilation is done, a call reads the flag on the host (one synchronisation) and, only if it is up,
+    waits for the kernel and launches it; once done, launches are gated on the device as always (no
+    synchronisation). A background compile that fails is re-raised at the next call."""
+    if (interpret_mode() or flag.device.type != "cuda" or not settings.flag("MXMLA_TRITON_BACKGROUND_COMPILE")
+            or not hasattr(kernel, "warmup")):
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, flag.device.index, tuple(sorted((k, v) for k, v in kwargs.items())))
+    future = _GATED_STATE.get(key)
+    if future is None:
+        index = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
+        stand_ins = [_stand_in(v) for v in args]
+        kw = {k: _stand_in(v) for k, v in kwargs.items()}
+
+        def compile_now():
+            torch.cuda.set_device(index)  # Triton compiles for the thread's current device
+            kernel.warmup(*stand_ins, grid=grid if not callable(grid) else (1,), **kw)
+
+        future = _GATED_STATE[key] = _compiler().submit(compile_now)
+    if future.done() or torch.cuda.is_current_stream_capturing():  # a graph capture cannot read the flag
+        future.result()  # a failed compile raises here
+        kernel[grid](*args, **kwargs)
+        return
+    if int(flag.item()):
+        future.result()
+        kernel[grid](*args, **kwargs)
+
+
 # Triton's interpreter runs a launch with the grid index and the patched triton.language in module
 # globals (triton/runtime/interpreter.py), so concurrent interpreted launches interleave. Re-entrant:
 # an op may call another registered op (the MXFP8 backward quantizes its operands).

@@ -12,8 +12,9 @@ Kernel design
   device flag for a byte outside that range or a NaN / Inf value), multiplied by one cuBLAS bf16
   GEMM with fp32 accumulation (bf16 reduced-precision split-K reductions off for the call), and the
   exact per-block kernel below is launched persistent and gated on the flag: when it is up, it
-  recomputes every output tile; when it is down (real data), it returns at once. No host sync, so
-  the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96-0.98x
+  recomputes every output tile; when it is down (real data), it returns at once. No host sync once
+  that kernel is compiled (its first call compiles it in the background and reads the flag on the
+  host meanwhile: _common.launch_gated), so the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96-0.98x
   the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
   dequantize passes are the difference).
 - sm90 default where it can run (bf16 out, Triton 3.6 / 3.9), the "gluon" route (_launch_gluon,
@@ -81,7 +82,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import autotune_enabled, interpret_mode, sm_count, triton_reasons
+from ._common import autotune_enabled, interpret_mode, launch_gated, sm_count, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
 from ._tiles import grouped_tile
@@ -542,7 +543,8 @@ def gluon_reasons(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> List
 
 def exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tensor) -> None:
     """The exact per-block kernel, persistent and gated on *flag: it recomputes every output tile when a
-    guard was raised, and returns at once otherwise (no host sync: CUDA-graph safe)."""
+    guard was raised, and returns at once otherwise (no host sync once compiled -- launch_gated -- and
+    CUDA-graph safe)."""
     m, k = a.data.shape
     n = b.data.shape[0]
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
@@ -550,7 +552,8 @@ def exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tens
     cfg = _INTERPRET if interpret_mode() else _FIXED_SM90
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     programs = tiles if interpret_mode() else min(tiles, _sm_count(out.device))
-    _gemm_sm90_fixed[(programs,)](
+    launch_gated(
+        _gemm_sm90_fixed, (programs,), flag,
         a_data, a_scale, b_data, b_scale, out, m, n, k, m_bucket(m),
         a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1),
         sar, sac, sbr, sbc, a_groups, b_groups, out.stride(0), out.stride(1), flag,

@@ -83,6 +83,7 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List
 
@@ -94,7 +95,8 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import autotune_cached, autotune_enabled, device_capability, interpret_mode, triton_reasons
+from ._common import (autotune_cached, autotune_enabled, device_capability, interpret_mode, launch_gated,
+                      triton_reasons)
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
@@ -753,7 +755,10 @@ def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None
         meta["GATED"] = True
     if config is not None:
         grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
-        _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
+        if gate is not None:
+            launch_gated(_fwd_fixed, grid, gate, *args, **meta, **config, enable_fp_fusion=False)
+        else:
+            _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
     else:
         grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
         _fwd_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
@@ -871,6 +876,9 @@ def _block_unsafe(amax_bits, e, s_inv):
     return ((e < SAFE_LO) | (e > SAFE_HI)) & nonzero
 
 
+_PREP_DQ_TILE = (64, 4)  # (rows per tile, warps) of the dequantized-output pre-pass
+
+
 def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False,
                  row_dq=False, col_dq=False, flag=None, gated=False, buffers=None):
     """Run the pre-pass on a 2-D bf16 tensor; returns (g, (row codes, row scales), (colT codes, colT
@@ -898,11 +906,14 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     cos, sin = _unit_last(cos), _unit_last(sin)
     # dequantized outputs: [64, 64] tiles on 4 warps keep ~90 registers a thread (several programs per SM
     # in flight: the pass is memory-bound); the codes outputs keep [128, 64]
-    block_r = 64 if interpret_mode() or dq_out else 128
+    block_r, num_warps = _PREP_DQ_TILE if dq_out else (128, 4)
+    if interpret_mode():
+        block_r = 64
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
     dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)
-    _grad_prep_kernel[grid](
+    launch = functools.partial(launch_gated, _grad_prep_kernel, grid, flag) if gated else _grad_prep_kernel[grid]
+    launch(
         src2d, cos, sin,
         g if g is not None else dummy16,
         u8(row_codes), u8(row_scale), u8(colt_codes), u8(colt_scale),
@@ -910,7 +921,7 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
         row_deq if row_deq is not None else dummy16, col_deq if col_deq is not None else dummy16,
         flag if flag is not None else dummy8,
         ROPE=rope, WRITE_BF16=write_bf16, ROW_Q=row_q, COL_Q=col_q, HW_CVT=_hw_cvt(device), BLOCK_R=block_r,
-        ROW_DQ=row_dq, COL_DQ=col_dq, GATED=gated, num_warps=4, enable_fp_fusion=False,
+        ROW_DQ=row_dq, COL_DQ=col_dq, GATED=gated, num_warps=num_warps, enable_fp_fusion=False,
     )
     if dq_out:
         return row_deq, col_deq
