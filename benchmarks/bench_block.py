@@ -16,7 +16,10 @@ and every weight's version counter bumped after it (what an optimizer step does:
 cache must re-quantize). Per shape and path:
 - step ms: median of CUDA-event step times, the paths taking turns (--rounds rounds of --steps steps
   each, after warm-up), so clock drift weighs on all paths alike; fwd / bwd ms likewise, from events
-  around the forward;
+  around the forward; each step is synchronized, so a forward bound by its host issue time shows;
+- b2b ms: per-step time of --steps steps issued back to back without synchronizing (events around
+  them, median over the rounds, in the same turns): a training loop that does not read a value back
+  every step, where the host issues the next forward while the GPU runs the previous backward;
 - activation GiB: memory allocated at the end of the forward minus before it (what the backward keeps);
   peak GiB: the step's peak allocation minus the memory before it (activations + gradients + workspace);
 - host ms: wall time the host takes to issue one step; gpu-bound ms: the step timed with the host kept
@@ -178,6 +181,26 @@ def timed_steps(bench: Bench, n: int):
             bench.step()
             out.append(((time.perf_counter() - t0) * 1e3, None, None))
     return out
+
+
+def back_to_back_ms(bench: Bench, n: int) -> float:
+    """Mean ms per step of n steps issued with no synchronisation between them (CUDA events around all
+    n; wall clock on CPU): the rate of a training loop that does not read a value back every step, where
+    the host issues step i+1's forward while the GPU still runs step i's backward, so a forward bound by
+    its host issue time is hidden behind the previous backward's GPU work."""
+    if DEVICE != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(n):
+            bench.step()
+        return (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        bench.step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
 
 
 def host_ms(bench: Bench, n: int = 3) -> float:
@@ -416,13 +439,17 @@ def measure(rec: benchlib.Recorder, args) -> None:
                 rec.note(f"{label} {path}: failed ({type(exc).__name__}: {str(exc)[:300]})")
                 benches.pop(path, None)
         times = {p: [] for p in benches}
+        b2b = {p: [] for p in benches}
         for _ in range(args.rounds):
             for path, bench in benches.items():
                 times[path] += timed_steps(bench, args.steps)
+                b2b[path].append(back_to_back_ms(bench, args.steps))
         med = {p: [statistics.median(v[i] for v in ts) if ts[0][i] is not None else None for i in range(3)]
                for p, ts in times.items()}
         ref = med.get("torch", [None])[0]
         bf16 = med.get("bf16", [None])[0]
+        b2b_med = {p: statistics.median(v) for p, v in b2b.items()}
+        b2b_ref, b2b_bf16 = b2b_med.get("torch"), b2b_med.get("bf16")
         for path, bench in benches.items():
             act, peak = bench.memory()
             issue_ms = host_ms(bench)
@@ -432,6 +459,8 @@ def measure(rec: benchlib.Recorder, args) -> None:
                        ratio=(med[path][0] / ref) if ref else None, vs="torch",
                        vs_bf16=(med[path][0] / bf16) if bf16 else None, peak_act_gib=act, peak_gib=peak,
                        host_ms=issue_ms, gpu_bound_ms=gpu_step, gpu_bound_fwd_ms=gpu_fwd, gpu_bound_bwd_ms=gpu_bwd,
+                       b2b_ms=b2b_med[path], b2b_ratio=(b2b_med[path] / b2b_ref) if b2b_ref else None,
+                       b2b_vs_bf16=(b2b_med[path] / b2b_bf16) if b2b_bf16 else None,
                        family="DeepSeek-V3 MLA block fwd+bwd")
             if args.first_step:
                 fs = first_steps((b, s), path, args.backend, args.smoke)
@@ -459,7 +488,8 @@ def measure(rec: benchlib.Recorder, args) -> None:
 
 COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
            ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
-           ("vs_bf16", "vs bf16", 8, ".3f"), ("host_ms", "host ms", 8, ".2f"), ("gpu_bound_ms", "gpu-bound", 9, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
+           ("vs_bf16", "vs bf16", 8, ".3f"), ("b2b_ms", "b2b ms", 8, ".3f"), ("b2b_ratio", "b2b/torch", 9, ".3f"), ("b2b_vs_bf16", "b2b/bf16", 8, ".3f"),
+           ("host_ms", "host ms", 8, ".2f"), ("gpu_bound_ms", "gpu-bound", 9, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),
            ("first_step_fresh_s", "1st fresh s", 11, ".1f"), ("first_step_second_s", "1st 2nd s", 9, ".1f"),
            ("fresh_process_s", "fresh proc s", 12, ".1f")]
 

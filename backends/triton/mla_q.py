@@ -776,7 +776,6 @@ def _grad_prep_kernel(
     ROPE: tl.constexpr, WRITE_BF16: tl.constexpr, ROW_Q: tl.constexpr, COL_Q: tl.constexpr,
     HW_CVT: tl.constexpr, BLOCK_R: tl.constexpr,
     ROW_DQ: tl.constexpr = False, COL_DQ: tl.constexpr = False, GATED: tl.constexpr = False,
-    GUARD_STORES: tl.constexpr = True,
 ):
     """src [R, C] (bf16) in tiles of [BLOCK_R, 64]. With ROPE, C = H * 192 and tile 2 of every head
     holds its RoPE gradient halves (gL | gR), turned into interleaved pairs by the mla backward rule.
@@ -844,10 +843,7 @@ def _grad_prep_kernel(
         # bf16-exact dequantization non-finite (Inf blocks take byte 254, outside the safe range). The
         # flag is raised by stores predicated on the condition (all writing 1), not by a reduction of
         # the tile: no cross-warp exchange on the path where nothing is raised
-        if GUARD_STORES:
-            tl.store(flag_ptr + tl.zeros([BLOCK_R, WIDTH], tl.int32), 1, mask=ok2 & (v != v))
-        else:
-            bad = tl.max(tl.max(tl.where(ok2 & (v != v), 1, 0), axis=1), axis=0)
+        tl.store(flag_ptr + tl.zeros([BLOCK_R, WIDTH], tl.int32), 1, mask=ok2 & (v != v))
         if ROW_DQ:
             v3 = tl.reshape(v, [BLOCK_R, 2, 32])
             amax = amax_bits_ignoring_nan(v3, 2)
@@ -856,10 +852,7 @@ def _grad_prep_kernel(
             dq_r = tl.reshape(e4m3_value(v3 * s_inv[:, :, None]) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
             tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
             blk_ok = r_ok[:, None] & ((pid_c * 2 + tl.arange(0, 2)) * 32 < C)[None, :]
-            if GUARD_STORES:
-                tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
-            else:
-                bad = tl.maximum(bad, tl.max(tl.max((_block_unsafe(amax, e, s_inv) & blk_ok).to(tl.int32), axis=1), axis=0))
+            tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
         if COL_DQ:
             NB2: tl.constexpr = BLOCK_R // 32
             v3 = tl.reshape(v, [NB2, 32, WIDTH])
@@ -869,13 +862,7 @@ def _grad_prep_kernel(
             dq_c = tl.reshape(e4m3_value(v3 * s_inv[:, None, :]) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
             tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
             blk_ok = ((pid_r * NB2 + tl.arange(0, NB2)) * 32 < R)[:, None] & c_ok[None, :]
-            if GUARD_STORES:
-                tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
-            else:
-                bad = tl.maximum(bad, tl.max(tl.max((_block_unsafe(amax, e, s_inv) & blk_ok).to(tl.int32), axis=1), axis=0))
-        if not GUARD_STORES:
-            if bad > 0:
-                tl.store(flag_ptr, 1)
+            tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
 
 
 @triton.jit
@@ -887,7 +874,6 @@ def _block_unsafe(amax_bits, e, s_inv):
     return ((e < SAFE_LO) | (e > SAFE_HI)) & nonzero
 
 
-_PREP_GUARD_STORES = True
 _PREP_DQ_TILE = (32, 2)  # (rows per tile, warps) of the dequantized-output pre-pass (tools/sweep_prepass.py)
 
 
@@ -934,7 +920,6 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
         flag if flag is not None else dummy8,
         ROPE=rope, WRITE_BF16=write_bf16, ROW_Q=row_q, COL_Q=col_q, HW_CVT=_hw_cvt(device), BLOCK_R=block_r,
         ROW_DQ=row_dq, COL_DQ=col_dq, GATED=gated, num_warps=num_warps, enable_fp_fusion=False,
-        GUARD_STORES=_PREP_GUARD_STORES,
     )
     if dq_out:
         return row_deq, col_deq
