@@ -432,6 +432,7 @@ def measure(rec: benchlib.Recorder, args) -> None:
                 t0 = time.perf_counter()
                 for _ in range(1 if args.smoke else 3):  # warm-up: compile, autotune, graph caches
                     benches[path].step()
+                benchlib.wait_background_compiles()
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
                 rec.note(f"{label} {path}: warm-up {time.perf_counter() - t0:.1f} s")

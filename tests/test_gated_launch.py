@@ -114,3 +114,11 @@ def test_switch_off_and_interpreter_launch_directly(cuda_like, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _common.launch_gated(k, (1,), FakeFlag(0), 1)
     assert len(k.launches) == 2 and k.warmups == []
+
+
+def test_wait_background_compiles(cuda_like):
+    k = FakeKernel()
+    _common.launch_gated(k, (1,), FakeFlag(0), 1)
+    threading.Timer(0.05, k.release.set).start()
+    _common.wait_background_compiles()
+    assert len(k.warmups) == 1 and all(f.done() for f in _common._GATED_STATE.values())

@@ -27,7 +27,7 @@ except ImportError as exc:  # the backend shows as unavailable with the reason
     declare_backend("triton", False, reasons=[f"triton is not installed ({exc})"])
 else:
     declare_backend("triton", True, version=triton.__version__)
-    from ._common import interpret_mode, serialized
+    from ._common import interpret_mode, serialized, wait_background_compiles  # noqa: F401 (public)
 
     for _info in pkgutil.iter_modules(__path__):
         if not _info.name.startswith("_") and not _info.name.endswith(GLUON_SUFFIX):

@@ -143,6 +143,16 @@ def launch_gated(kernel, grid, flag: torch.Tensor, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def wait_background_compiles() -> None:
+    """Return once every background compilation launch_gated started is done (a warm-up that must leave
+    nothing compiling behind it, e.g. before timing). A failed one raises at its next launch."""
+    for future in list(_GATED_STATE.values()):
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001 - re-raised by launch_gated at the kernel's next call
+            pass
+
+
 # Triton's interpreter runs a launch with the grid index and the patched triton.language in module
 # globals (triton/runtime/interpreter.py), so concurrent interpreted launches interleave. Re-entrant:
 # an op may call another registered op (the MXFP8 backward quantizes its operands).

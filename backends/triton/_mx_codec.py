@@ -5,6 +5,7 @@ forms the GEMM and fused kernels use are in _mxfp8.py.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Dict
 
@@ -28,8 +29,10 @@ def _f32_bits(v: float) -> int:
     return struct.unpack("<I", struct.pack("<f", v))[0]
 
 
+@functools.lru_cache(maxsize=None)
 def elem_meta(elem: str) -> Dict[str, int]:
-    """Constexpr constants of one element format (all integers: fp32 constants travel as bits)."""
+    """Constexpr constants of one element format (all integers: fp32 constants travel as bits). Kept per
+    format (callers unpack it, never change it): every quantize launch asks."""
     fmt = ELEM_FORMATS[elem]
     ebias = (1 << (7 - fmt.mbits)) // 2 - 1  # e4m3: 7, e5m2: 15
     shift = 23 - fmt.mbits
