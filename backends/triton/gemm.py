@@ -592,8 +592,8 @@ def _launch_bf16(a: MXTensor, b: MXTensor, out: torch.Tensor) -> torch.Tensor:
     """The sm90 route: dequantize a and b to bf16 (exact for scale bytes in BF16_SAFE_SCALE_BYTES),
     one bf16 GEMM with fp32 accumulation (cuBLAS), then the exact per-block kernel as a gated
     fallback that recomputes everything when a guard flag was raised (a scale byte outside the
-    safe range, a NaN or Inf operand): no host sync, CUDA-graph safe, and the same
-    products-exact-fp32-sum contract as the block kernels."""
+    safe range, a NaN or Inf operand): no host sync once the fallback is compiled (launch_gated),
+    CUDA-graph safe, and the same products-exact-fp32-sum contract as the block kernels."""
     flag = torch.zeros(1, dtype=torch.int32, device=out.device)
     a16 = dequantize_bf16_flat(a, guard=(flag, *BF16_SAFE_SCALE_BYTES[a.elem]))
     b16 = dequantize_bf16_flat(b, guard=(flag, *BF16_SAFE_SCALE_BYTES[b.elem]))

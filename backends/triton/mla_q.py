@@ -283,7 +283,8 @@ def _mla_q_fwd_kernel(
     EVEN_K: tl.constexpr, EVEN_T: tl.constexpr, WIDEN_F16: tl.constexpr, GATED: tl.constexpr = False,
 ):
     """GATED: the exact fallback of the dequantized Gluon route (mla_q_forward_launch): every program
-    returns at once unless *gate_ptr is nonzero (no host sync: CUDA-graph safe)."""
+    returns at once unless *gate_ptr is nonzero (launched through launch_gated: no host sync once
+    compiled, CUDA-graph safe)."""
     HEAD: tl.constexpr = 192
     NOPE: tl.constexpr = 128
     HALF: tl.constexpr = 32
@@ -1038,7 +1039,8 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     (4 bytes an element instead of 2 of codes) but no GEMM re-reads codes to dequantize them, and
     cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
     BF16_SAFE_SCALE_BYTES, or a value not finite) sends the whole op to the exact path, gated on the
-    device-side flag (no host sync): the pre-pass re-run writing codes and the exact block GEMMs."""
+    device-side flag (no host sync once those kernels are compiled: launch_gated): the pre-pass re-run
+    writing codes and the exact block GEMMs."""
     tokens, n = dq2.shape
     device = dq2.device
     flag = torch.zeros(1, dtype=torch.int32, device=device)
