@@ -14,9 +14,9 @@ Kernel design
   exact per-block kernel below is launched persistent and gated on the flag: when it is up, it
   recomputes every output tile; when it is down (real data), it returns at once. No host sync once
   that kernel is compiled (its first call compiles it in the background and reads the flag on the
-  host meanwhile: _common.launch_gated), so the op stays CUDA-graph safe. Products exact, sum in fp32: the block kernels' contract, at 0.96-0.98x
-  the bf16 cuBLAS GEMM on [4096 x 1536] @ [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two
-  dequantize passes are the difference).
+  host meanwhile: _common.launch_gated), so the op stays CUDA-graph safe. Products exact, sum in
+  fp32: the block kernels' contract, at 0.96-0.98x the bf16 cuBLAS GEMM on [4096 x 1536] @
+  [24576 x 1536]^T on the H200 (BENCHMARKS.md; the two dequantize passes are the difference).
 - sm90 default where it can run (bf16 out, Triton 3.6 / 3.9), the "gluon" route (_launch_gluon,
   gemm_gluon.py): a dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the
   registers of a Gluon warp-specialized GEMM (wgmma with a register A operand), the same gated exact

@@ -77,9 +77,14 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
   bf16): these are plain bf16 GEMMs that cuBLAS already runs at the roofline. MX x / w (the forward's
   K-blocked tensors) are dequantized to bf16 first; exact for e4m3 scale bytes in [3, 246] (e5m2:
   [10, 239]), outside that a value leaves bf16's range and rounds/saturates where the spec's does not.
-- MXFP8 GEMMs (quantize_grad=True): dx = mxfp8_gemm(g_row, w_n^T), dw = mxfp8_gemm(g_col^T, x_t^T) with
-  the Triton GEMM of backends/triton/gemm.py. bf16 x / w are quantized along T / N by the same
-  pre-pass kernel (no RoPE), written transposed so every GEMM operand is K-major.
+- quantize_grad=True, the "dequantized" route (the default, _backward_dequantized): the pre-pass writes
+  the bf16 dequantization of both quantizations of g instead of their codes -- each value rounded to the
+  e4m3 grid in fp32 (_mxfp8.e4m3_value) times its scale, exact in bf16 inside BF16_SAFE_SCALE_BYTES, a
+  per-block guard flagging the rest -- and two cuBLAS bf16 GEMMs follow; a raised guard sends the op to
+  the exact path (gated kernels, no host sync once compiled).
+- quantize_grad=True, the "mxfp8_gemm" route: dx = mxfp8_gemm(g_row, w_n^T), dw = mxfp8_gemm(g_col^T,
+  x_t^T) with the Triton GEMM of backends/triton/gemm.py. bf16 x / w are quantized along T / N by the
+  same pre-pass kernel (no RoPE), written transposed so every GEMM operand is K-major.
 """
 from __future__ import annotations
 
@@ -903,7 +908,7 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     if cos is None:
         cos = sin = torch.zeros((1, MLA_ROPE_DIM), dtype=torch.float32, device=device)
     cos, sin = _unit_last(cos), _unit_last(sin)
-    # dequantized outputs: small tiles (~96 registers a thread, many programs per SM in flight: the pass
+    # dequantized outputs: small tiles (~80 registers a thread, many programs per SM in flight: the pass
     # is memory-bound; [32, 64] on 2 warps measured fastest on the H200); the codes outputs keep [128, 64]
     block_r, num_warps = _PREP_DQ_TILE if dq_out else (128, 4)
     if interpret_mode():
