@@ -43,6 +43,12 @@ def sm_count(device) -> int:
     return _device_fact(torch.cuda.get_device_properties, _multiprocessors, device)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids on the host: triton.cdiv is a constexpr function in newer Triton
+    releases, whose call costs several microseconds, and grids are computed on every launch."""
+    return -(-a // b)
+
+
 def interpret_mode() -> bool:
     return settings.interpret_mode()
 

@@ -84,7 +84,7 @@ from spec.mxtensor import MXTensor
 from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
-from ._common import autotune_cached, interpret_mode, launch_tuned, triton_reasons
+from ._common import autotune_cached, cdiv, interpret_mode, launch_tuned, triton_reasons
 from .quantize import dequantize_bf16_flat
 from ._fpbits import round_f32
 
@@ -729,7 +729,7 @@ def _forward(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv
     scale = _scale_value(softmax_scale)
     cu_q = geo.cu_q if geo.varlen else lse
     cu_kv = geo.cu_kv if geo.varlen else lse
-    grid = lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)  # noqa: E731
+    grid = lambda meta: (cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)  # noqa: E731
     launch_tuned(
         _mla_fwd_kernel, grid, qd, kd, vd,
         qs if qs is not None else qd, ks if ks is not None else kd, vs if vs is not None else vd,
@@ -765,7 +765,7 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
     cu_kv = geo.cu_kv if geo.varlen else lse
     if geo.max_q:
         block = 64
-        _mla_bwd_preprocess_kernel[(triton.cdiv(geo.max_q, block), geo.heads, geo.batch)](
+        _mla_bwd_preprocess_kernel[(cdiv(geo.max_q, block), geo.heads, geo.batch)](
             o, do, lse, delta, lse2, cu_q,
             *_bsh_strides(o, layout), *_bsh_strides(do, layout), *geo.lse_strides,
             geo.seq_q, VARLEN=geo.varlen, BLOCK_M=block,
@@ -776,7 +776,7 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
 
     def dkdv():
         launch_tuned(
-            _mla_bwd_dkdv_kernel, lambda meta: (triton.cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch),
+            _mla_bwd_dkdv_kernel, lambda meta: (cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch),
             q, k, v, do, lse2, delta, dk, dv, dq_acc, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dk, layout), *_bsh_strides(dv, layout),
@@ -797,7 +797,7 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
         return dq, dk, dv
     if geo.max_q:
         launch_tuned(
-            _mla_bwd_dq_kernel, lambda meta: (triton.cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch),
+            _mla_bwd_dq_kernel, lambda meta: (cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch),
             q, k, v, do, lse2, delta, dq, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dq, layout),

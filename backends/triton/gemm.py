@@ -82,7 +82,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import autotune_enabled, interpret_mode, launch_gated, sm_count, triton_reasons
+from ._common import autotune_enabled, cdiv, interpret_mode, launch_gated, sm_count, triton_reasons
 from ._fpbits import round_f32_canonical_nan
 from ._mxfp8 import fp8_mma_widened, mx_block_dot, scale_value
 from ._tiles import grouped_tile
@@ -457,7 +457,7 @@ def scale_factors_f32(t: MXTensor, rows_pad: int, kb_pad: int) -> torch.Tensor:
     else:
         srow, scol, groups, swz = t.scale.stride(0), t.scale.stride(1), 0, False
     block_r, block_kb = 64, 16
-    grid = (triton.cdiv(rows_pad, block_r), triton.cdiv(kb_pad, block_kb))
+    grid = (cdiv(rows_pad, block_r), cdiv(kb_pad, block_kb))
     _scale_f32_kernel[grid](t.scale, out, rows, kb, rows_pad, kb_pad, srow, scol, groups, SWIZZLED=swz,
                             BLOCK_R=block_r, BLOCK_KB=block_kb, num_warps=4)
     return out
@@ -486,10 +486,10 @@ def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
     args = (a_desc, b_desc, sa_desc, sb_desc, out, m, n, k, m_bucket(m), out.stride(0), out.stride(1))
     widen = fp8_mma_widened(out.device)
     if cfg is not None:
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
         _mxfp8_gemm_tma_kernel[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen, **cfg)
     else:
-        grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        grid = lambda c: (cdiv(m, c["BLOCK_M"]) * cdiv(n, c["BLOCK_N"]),)  # noqa: E731
         _gemm_tma[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen)
     return out
 
@@ -550,7 +550,7 @@ def exact_fallback(a: MXTensor, b: MXTensor, out: torch.Tensor, flag: torch.Tens
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
     b_data, b_scale, (sbr, sbc), b_groups, b_swz = _operand(b)
     cfg = _INTERPRET if interpret_mode() else _FIXED_SM90
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     programs = tiles if interpret_mode() else min(tiles, _sm_count(out.device))
     launch_gated(
         _gemm_sm90_fixed, (programs,), flag,
@@ -649,10 +649,10 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
         cfg = _INTERPRET
     cfg = config or cfg
     if config is not None or interpret_mode() or not autotune_enabled():
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
         fixed[grid](*args, **meta, **cfg)
     else:
-        grid = lambda c: (triton.cdiv(m, c["BLOCK_M"]) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        grid = lambda c: (cdiv(m, c["BLOCK_M"]) * cdiv(n, c["BLOCK_N"]),)  # noqa: E731
         tuned[grid](*args, **meta)
     return out
 

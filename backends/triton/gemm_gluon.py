@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ._common import cdiv
 from ._gluon_compat import async_load, async_store, tile_coords  # tile_coords: GROUP_M a tiles per b tile
 
 TILE_A = gl.constexpr(256)  # output tile: TILE_A rows of a (tokens) x TILE_B rows of b (features)
@@ -300,11 +301,11 @@ def launch(a16: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor, scal
     a_desc = _desc(a16, [_TILE_A, bk], gl.bfloat16)
     b_desc = _desc(b_codes, [_TILE_B, bk], gl.uint8)
     out_desc = _desc(out, [_TILE_A, 64], gl.bfloat16)
-    tiles = triton.cdiv(m, _TILE_A) * triton.cdiv(n, _TILE_B)
+    tiles = cdiv(m, _TILE_A) * cdiv(n, _TILE_B)
     sms = torch.cuda.get_device_properties(out.device).multi_processor_count
     _mxfp8_gemm_gluon_kernel[(min(sms, tiles),)](
         a_desc, b_desc, out_desc, b_scale, flag, m, n, k, scale_strides[0], scale_strides[1], col_groups,
         SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2),  # ints: a bool constexpr cannot cross warp_specialize
         LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
-        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(triton.cdiv(k, bk) % 2 == 1),
+        BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(cdiv(k, bk) % 2 == 1),
         num_warps=NUM_WARPS)

@@ -100,8 +100,8 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import (autotune_cached, autotune_enabled, device_capability, interpret_mode, launch_gated,
-                      triton_reasons)
+from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, interpret_mode,
+                      launch_gated, triton_reasons)
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
@@ -749,10 +749,10 @@ def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None
         args = (x_desc, wn_desc, wr_desc, xs, ws, cos, sin, *outs, tokens, k, heads, m_bucket(tokens), *tail)
         if config is not None:
             config = {key: v for key, v in config.items() if key != "ROPE_SPLIT"}
-            grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
+            grid = (cdiv(tokens, config["BLOCK_M"]) * heads,)
             _fwd_tma_fixed[grid](*args, **meta, **config, EPILOGUE=EPILOGUE_PARTS[epilogue], enable_fp_fusion=False)
         else:
-            grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
+            grid = lambda c: (cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
             _fwd_tma_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
         return
     args = (xd, wd, xs, ws, cos, sin, *outs, tokens, k, heads, m_bucket(tokens),
@@ -760,13 +760,13 @@ def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None
     if gate is not None:
         meta["GATED"] = True
     if config is not None:
-        grid = (triton.cdiv(tokens, config["BLOCK_M"]) * heads,)
+        grid = (cdiv(tokens, config["BLOCK_M"]) * heads,)
         if gate is not None:
             launch_gated(_fwd_fixed, grid, gate, *args, **meta, **config, enable_fp_fusion=False)
         else:
             _fwd_fixed[grid](*args, **meta, **config, enable_fp_fusion=False)
     else:
-        grid = lambda c: (triton.cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
+        grid = lambda c: (cdiv(tokens, c["BLOCK_M"]) * heads,)  # noqa: E731
         _fwd_tuned[mx][grid](*args, **meta, enable_fp_fusion=False)
 
 
@@ -913,7 +913,7 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     block_r, num_warps = _PREP_DQ_TILE if dq_out else (128, 4)
     if interpret_mode():
         block_r = 64
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, 64))
+    grid = (cdiv(rows, block_r), cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
     dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)
     launch = functools.partial(launch_gated, _grad_prep_kernel, grid, flag) if gated else _grad_prep_kernel[grid]

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import sm_count
+from ._common import cdiv, sm_count
 from ._gluon_compat import async_load, async_store, barrier, reinterpret, tile_coords, version_reasons
 from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
 
@@ -614,7 +614,7 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
             _desc(rc2, [BLOCK_M, _NOPE]), _desc(rc2, [BLOCK_M, _ROPE]), _desc(cc2, [BLOCK_M, _NOPE]),
             _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
             tokens, k, heads, cos.stride(0), sin.stride(0))
-    tiles = triton.cdiv(tokens, BLOCK_M) * heads
+    tiles = cdiv(tokens, BLOCK_M) * heads
     if variant != "gluon":
         if mainloop_only:
             raise ValueError("mainloop_only: the warp-specialized kernels have no main-loop-only mode")

@@ -62,7 +62,7 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from ._mxfp8 import bf16_unsafe
 from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
@@ -416,7 +416,7 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
     )
 
     def grid(meta):
-        return (p * triton.cdiv(grid_m, meta["BM"]) * triton.cdiv(grid_n, meta["BN"]),)
+        return (p * cdiv(grid_m, meta["BM"]) * cdiv(grid_n, meta["BN"]),)
 
     forced = _fixed_tile()
     if forced is not None:
@@ -671,7 +671,7 @@ def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
         inner = math.prod(data.shape[t.axis + 1:])
         block = 1024
         flag, lo, hi = guard if guard is not None else (data, 0, 255)
-        _dequantize_bf16_flat_kernel[(triton.cdiv(n, block),)](
+        _dequantize_bf16_flat_kernel[(cdiv(n, block),)](
             data.view(torch.uint8), scale, out, n, flag, INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2",
             HW_CVT=use_hw_cvt(data.device), GUARD=guard is not None, GUARD_LO=int(lo),
             GUARD_HI=int(hi))
@@ -703,7 +703,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
     )
 
     def grid(meta):
-        return (p * triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+        return (p * cdiv(m, meta["BM"]) * cdiv(n, meta["BN"]),)
 
     forced = _fixed_tile()
     if forced is not None:

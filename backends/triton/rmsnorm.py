@@ -35,7 +35,7 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, interpret_mode, sm_count, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, interpret_mode, sm_count, triton_reasons
 from ._fpbits import widen_f32
 from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
 
@@ -157,7 +157,7 @@ def _prune(configs, named_args, **kwargs):
     kept = []
     for cfg in configs:
         block_d, split = cfg.kwargs["BLOCK_D"], cfg.kwargs["SPLIT"]
-        n_chunks = triton.cdiv(d, block_d)
+        n_chunks = cdiv(d, block_d)
         if block_d > max(64, triton.next_power_of_2(d)) or split > n_chunks:
             continue
         if split > 1 and bands * (split // 2) >= 2 * sms:

@@ -28,7 +28,7 @@ import triton.language as tl
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import triton_reasons
+from ._common import cdiv, triton_reasons
 
 SWIZZLE_BLOCK = 2048  # bytes per program: small kernels, but enough lanes to fill the GPU
 
@@ -113,7 +113,7 @@ def swizzle_scales(t: MXTensor) -> MXTensor:
     out = empty_output((rp, cp), torch.uint8, src.device)  # fully written by the kernel
     total = rp * cp
     if total:
-        grid = (triton.cdiv(total, SWIZZLE_BLOCK),)
+        grid = (cdiv(total, SWIZZLE_BLOCK),)
         _swizzle_kernel[grid](src, out, rows, c, q, cp, total, BLOCK=SWIZZLE_BLOCK,
                               IDX64=total + SWIZZLE_BLOCK >= 2**31, num_warps=4)
     return t.replace(scale=out, scale_layout="swizzled")
@@ -129,7 +129,7 @@ def unswizzle_scales(t: MXTensor) -> MXTensor:
     out = empty_output(t.compact_scale_shape, torch.uint8, src.device)
     total = out.numel()
     if total:
-        grid = (triton.cdiv(total, SWIZZLE_BLOCK),)
+        grid = (cdiv(total, SWIZZLE_BLOCK),)
         _unswizzle_kernel[grid](src, out, c, q, cp, total, BLOCK=SWIZZLE_BLOCK,
                                 IDX64=src.numel() + SWIZZLE_BLOCK >= 2**31, num_warps=4)
     return t.replace(scale=out, scale_layout="compact")
