@@ -6,6 +6,9 @@
   row (rceil scale byte 0 over zero codes: exact in bf16), and goes up -- with spec's bytes from the
   fallback -- for a gradient past the bf16-safe scale range, a NaN gradient and an MXFP8 weight whose
   scale bytes leave that range; bf16 and MXFP8 x / w; a K-major (transposed) weight copy.
+- The backward pre-pass's bf16 outputs byte-equal to spec's dequantization of both quantizations of g
+  (specials, tiny scales, RoPE) and its guard; its rounding to the e4m3 grid (_mxfp8.e4m3_value) bit-equal
+  to encode-then-decode and to ml_dtypes' saturating cast on random fp32 bit patterns and every tie.
 - The flat dequantize's guard exempts zero codes and flags a nonzero code under an unsafe scale byte.
 - MXFP8 forward's exact fallback (the gated pointer kernel behind the dequantized Gluon route): a no-op
   while the flag is down, spec's bytes when it is up (the Gluon kernels themselves run on CUDA only).
@@ -254,3 +257,59 @@ def test_prepass_dequantized_bytes_and_guard(mla, case, rope):
             assert_bytes_equal(got.cpu(), want, f"axis {axis} dequantized")
     assert int(flag.item()) == int(unsafe), f"guard {int(flag.item())}, expected {int(unsafe)}"
     assert unsafe == (case != "finite")
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    from backends.triton._mxfp8 import decode_e4m3, e4m3_value, encode_e4m3_bits
+
+    @triton.jit
+    def _e4m3_value_kernel(y_ptr, fast_ptr, slow_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+        tl.store(fast_ptr + offs, e4m3_value(y), mask=mask)
+        tl.store(slow_ptr + offs, decode_e4m3(encode_e4m3_bits(y)), mask=mask)
+except ImportError:  # pragma: no cover - the fixture skips without Triton
+    _e4m3_value_kernel = None
+
+
+def _e4m3_inputs():
+    """fp32 inputs for e4m3_value: random bit patterns (every exponent, NaN and Inf included), normal draws
+    at several magnitudes, every rounding tie and its neighbours in each e4m3 binade (normal and
+    subnormal), the saturation edge, signed zeros."""
+    rng = _rng("e4m3-value")
+    bits = rng.integers(0, 2 ** 32, size=60_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    draws = (rng.standard_normal(20_000) * 2.0 ** rng.integers(-12, 10, 20_000)).astype(np.float32)
+    ties = []
+    for e in range(-9, 9):  # quantum 2^(e-3) above 2^-6, 2^-9 below
+        q = 2.0 ** max(e - 3, -9)
+        for k in range(0, 16):
+            t = np.float32((k + 0.5) * q + 2.0 ** e) if e >= -6 else np.float32((k + 0.5) * 2.0 ** -9)
+            ties += [t, np.nextafter(t, np.float32(0)), np.nextafter(t, np.float32(np.inf))]
+    edge = np.array([448, 449, 463.99, 464, 464.01, 480, 512, 1e30, np.inf, np.nan, 0.0, 2.0 ** -10, 2.0 ** -11,
+                     3 * 2.0 ** -11, 2.0 ** -149, 2.0 ** -126], np.float32)
+    v = np.concatenate([bits, draws, np.array(ties, np.float32), edge])
+    return np.concatenate([v, -v]).astype(np.float32)
+
+
+def test_e4m3_value_is_encode_then_decode(triton_target):
+    # the pre-pass's one-add rounding to the e4m3 grid against the codec it replaces (encode on the bits,
+    # then decode), and against ml_dtypes' saturating cast: the same fp32 bits, NaN for NaN
+    import ml_dtypes
+
+    device = triton_target[1]
+    y = _e4m3_inputs()
+    yt = to_torch(y, device)
+    fast, slow = torch.empty_like(yt), torch.empty_like(yt)
+    _e4m3_value_kernel[(triton.cdiv(y.size, 1024),)](yt, fast, slow, y.size, BLOCK=1024)
+    fast, slow = fast.cpu().numpy(), slow.cpu().numpy()
+    with np.errstate(invalid="ignore"):
+        ref = np.clip(np.nan_to_num(y, nan=0.0, posinf=448.0, neginf=-448.0), -448.0, 448.0)
+    ref = ref.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    ref[np.isnan(y)] = np.nan
+    for name, got in (("encode_e4m3_bits + decode_e4m3", slow), ("ml_dtypes", ref)):
+        same = (fast.view(np.uint32) == got.view(np.uint32)) | (np.isnan(fast) & np.isnan(got))
+        assert same.all(), f"e4m3_value differs from {name} at {y[~same][:5]}: {fast[~same][:5]} vs {got[~same][:5]}"
