@@ -138,10 +138,8 @@ def first_call_s(fn) -> float:
 
 
 def wait_background_compiles() -> None:
-    try:
-        from backends.triton import wait_background_compiles as wait
-    except ImportError:
-        return
+    from dispatch.warmup import wait_background_compiles as wait
+
     wait()
 
 

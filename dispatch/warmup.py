@@ -59,18 +59,19 @@ def mla_block(tokens: int = 4096, *, batch: int = 1, heads: int = 128, q_lora: i
     q = q.reshape(shape) if isinstance(q, torch.Tensor) else reshape_mx(q, shape)
     o, _ = attn(q, k, v)
     o.backward(randn(*o.shape, scale=1e-3).to(o.dtype))
-    _wait_background_compiles()
+    wait_background_compiles()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
-def _wait_background_compiles() -> None:
-    """The exact-fallback kernels compile in the background at their first call (the triton backend's
-    launch_gated); a warm-up waits for them, so that nothing is left compiling after it."""
+def wait_background_compiles() -> None:
+    """Return once nothing compiles in the background: the exact-fallback kernels compile there at
+    their first call (the triton backend's launch_gated), and a warm-up -- or a benchmark's first call
+    before timing -- waits for them."""
     try:
-        from backends.triton import wait_background_compiles
+        from backends.triton import wait_background_compiles as wait
     except ImportError:  # no triton: nothing compiles in the background
         return
-    wait_background_compiles()
+    wait()
 

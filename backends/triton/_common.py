@@ -128,10 +128,10 @@ def launch_gated(kernel, grid, flag: torch.Tensor, *args, **kwargs) -> None:
             or not hasattr(kernel, "warmup")):
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, flag.device.index, tuple(sorted((k, v) for k, v in kwargs.items())))
+    index = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
+    key = (kernel, index, tuple(sorted(kwargs.items())))
     future = _GATED_STATE.get(key)
     if future is None:
-        index = flag.device.index if flag.device.index is not None else torch.cuda.current_device()
         stand_ins = [_stand_in(v) for v in args]
         kw = {k: _stand_in(v) for k, v in kwargs.items()}
 
