@@ -97,6 +97,151 @@ def launch_tuned(kernel, grid, *args, **kwargs):
     return kernel.fn[grid](*args, **kwargs, **kernel.configs[0].all_kwargs())
 
 
+# --------------------------------------------------------------------------------------------------
+# fast_launch: Triton's launch path without its per-call Python
+# --------------------------------------------------------------------------------------------------
+# A launch through `kernel[grid](...)` binds every argument, specializes each one, builds the cache key,
+# and, behind an autotuner and heuristics, rebuilds argument dicts per layer: tens of microseconds of
+# host time per launch, which the MXFP8 block's forward pays a dozen times and which leaves it bound by
+# its host issue rate. A call site that launches one kernel with the same argument values over and over
+# (a training step) can keep what that resolved to -- the compiled kernel, the autotuner's config, the
+# heuristics' values, the grid -- and hand the arguments straight to the compiled kernel's launcher.
+#
+# The key holds everything the resolution depends on: the kernel object, the current device, every
+# argument's value (integers, floats, strings, None, exactly) and, for a tensor, its dtype and whether
+# its data pointer is 16-byte aligned (what Triton specializes a pointer on). The first launch of a key
+# goes through Triton; its result is kept only when it can be reproduced: a CompiledKernel came back,
+# every wrapper layer is an Autotuner (config without pre_hook) or Heuristics, and the values it
+# resolved for the constexpr parameters equal the compiled kernel's constants. Anything else (an
+# unhashable argument such as a tensor descriptor, the interpreter) takes Triton's path. The kept launch
+# goes through the compiled kernel's own launcher (CompiledKernel[grid]), which calls Triton's launch
+# hooks (profilers) as a launch through Triton does.
+
+_FAST_LAUNCHES: dict = {}
+_FAST_LIMIT = 4096  # entries kept at most (distinct shapes); beyond it launches take Triton's path
+_NOT_KEPT = object()  # a key whose launch cannot be reproduced
+_JIT_TYPES = None
+
+
+def _jit_types():
+    global _JIT_TYPES
+    if _JIT_TYPES is None:
+        from triton.compiler.compiler import CompiledKernel
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.jit import JITFunction
+
+        _JIT_TYPES = (CompiledKernel, Autotuner, Heuristics, JITFunction)
+    return _JIT_TYPES
+
+
+def _arg_key(v):
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    return (type(v), v)
+
+
+def _resolve_launch(kernel, grid, compiled, args, kwargs):
+    """(compiled kernel, meta, sources) reproducing the launch just made, or None when it cannot be
+    reproduced. meta: the launch's non-tensor values, for the grid function. sources: per kernel parameter, (0, i) = positional argument i, (1, name) = keyword argument,
+    (2, value) = a value the launch resolved (config, heuristics, default)."""
+    compiled_type, autotuner_type, heuristics_type, jit_type = _jit_types()
+    if not isinstance(compiled, compiled_type):
+        return None
+    layers, obj = [], kernel
+    while not isinstance(obj, jit_type):
+        if not isinstance(obj, (autotuner_type, heuristics_type)):
+            return None
+        layers.append(obj)
+        obj = obj.fn
+    names = list(obj.arg_names)
+    merged = dict(zip(names, args))
+    merged.update(kwargs)
+    for layer in layers:
+        if isinstance(layer, autotuner_type):
+            config = getattr(layer, "best_config", None)
+            if config is None or config.pre_hook is not None:
+                return None
+            merged.update(config.all_kwargs())
+        else:
+            for name, rule in layer.values.items():
+                merged[name] = rule(merged)
+    import inspect
+
+    for name, param in obj.signature.parameters.items():
+        if name not in merged:
+            if param.default is inspect.Parameter.empty:
+                return None
+            merged[name] = param.default
+    src = getattr(compiled, "src", None)
+    constants = getattr(src, "constants", None)
+    if not isinstance(constants, dict):
+        return None
+    for where, value in constants.items():  # the compiled kernel's constexprs and specialized constants
+        if isinstance(where, tuple) and len(where) == 1 and isinstance(where[0], int):
+            name = names[where[0]]
+        elif isinstance(where, str):
+            name = where
+        else:
+            return None
+        mine = merged.get(name)
+        if type(mine) is not type(value) and not (isinstance(mine, int) and isinstance(value, int)):
+            if not (mine is None and value is None):
+                return None
+        if mine != value:
+            return None
+    # what a grid function may read: the non-tensor values (none of the call's tensors stay referenced)
+    meta = {k: v for k, v in merged.items() if not isinstance(v, torch.Tensor)}
+    if callable(grid):
+        try:
+            if _grid3(grid(meta)) != _grid3(grid(merged)):
+                return None
+        except Exception:  # noqa: BLE001 - a grid reading the tensors: not reproducible without them
+            return None
+    positional = len(args)
+    sources = tuple((0, i) if i < positional else (1, n) if n in kwargs else (2, merged[n])
+                    for i, n in enumerate(names))
+    return compiled, meta, sources
+
+
+def _grid3(g) -> Tuple[int, int, int]:
+    g = tuple(int(n) for n in g)
+    return g + (1,) * (3 - len(g))
+
+
+def fast_launch(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs), with a repeated launch handed straight to the compiled kernel
+    (see above). MXMLA_TRITON_FAST_LAUNCH=0 sends every launch through Triton."""
+    if interpret_mode() or not settings.flag("MXMLA_TRITON_FAST_LAUNCH"):
+        kernel[grid](*args, **kwargs)
+        return
+    try:
+        key = (kernel, torch.cuda.current_device(), tuple(kwargs), tuple(_arg_key(v) for v in args),
+               tuple(_arg_key(v) for v in kwargs.values()))
+        entry = _FAST_LAUNCHES.get(key)
+    except TypeError:  # an unhashable argument (a tensor descriptor): no key
+        kernel[grid](*args, **kwargs)
+        return
+    if entry is _NOT_KEPT:
+        kernel[grid](*args, **kwargs)
+        return
+    if entry is not None:
+        compiled, meta, sources = entry
+        # the grid is evaluated per call: a grid function reads the caller's current sizes (closure)
+        compiled[_grid3(grid(meta) if callable(grid) else grid)](
+            *[args[v] if s == 0 else kwargs[v] if s == 1 else v for s, v in sources])
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    if entry is None and len(_FAST_LAUNCHES) < _FAST_LIMIT:
+        # a launch that cannot be reproduced is remembered too: its next calls skip the resolution
+        resolved = _resolve_launch(kernel, grid, compiled, args, kwargs)
+        _FAST_LAUNCHES[key] = _NOT_KEPT if resolved is None else resolved
+
+
+def clear_fast_launches() -> None:
+    """Forget every kept launch (tests; a kernel recompiled under the same object)."""
+    _FAST_LAUNCHES.clear()
+
+
 _COMPILER = None  # a ThreadPoolExecutor, made on first use
 _GATED_STATE: dict = {}  # (kernel, device index, constexpr items) -> Future of its background compile
 
@@ -142,7 +287,7 @@ def launch_gated(kernel, grid, flag: torch.Tensor, *args, **kwargs) -> None:
         future = _GATED_STATE[key] = _compiler().submit(compile_now)
     if future.done() or torch.cuda.is_current_stream_capturing():  # a graph capture cannot read the flag
         future.result()  # a failed compile raises here
-        kernel[grid](*args, **kwargs)
+        fast_launch(kernel, grid, *args, **kwargs)
         return
     if int(flag.item()):
         future.result()

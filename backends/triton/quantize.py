@@ -62,7 +62,7 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from ._mxfp8 import bf16_unsafe
 from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
@@ -421,11 +421,10 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
     forced = _fixed_tile()
     if forced is not None:
         bm, bn, warps = forced
-        _quantize_heuristic[grid({"BM": bm, "BN": bn})](
-            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, maxnreg=_register_cap(forced),
-            enable_fp_fusion=False)
+        fast_launch(_quantize_heuristic, grid({"BM": bm, "BN": bn}), **args, BM=bm, BN=bn, num_warps=warps,
+                    num_stages=1, maxnreg=_register_cap(forced), enable_fp_fusion=False)
     else:
-        _quantize_tuned[grid](**args, enable_fp_fusion=False)
+        fast_launch(_quantize_tuned, grid, **args, enable_fp_fusion=False)
 
 
 def _new_output(shape: Tuple[int, ...], axis: int, elem: str, swizzled: bool, in_kernel_pad_ok: bool,
@@ -671,10 +670,10 @@ def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
         inner = math.prod(data.shape[t.axis + 1:])
         block = 1024
         flag, lo, hi = guard if guard is not None else (data, 0, 255)
-        _dequantize_bf16_flat_kernel[(cdiv(n, block),)](
-            data.view(torch.uint8), scale, out, n, flag, INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2",
-            HW_CVT=use_hw_cvt(data.device), GUARD=guard is not None, GUARD_LO=int(lo),
-            GUARD_HI=int(hi))
+        fast_launch(
+            _dequantize_bf16_flat_kernel, (cdiv(n, block),), data.view(torch.uint8), scale, out, n, flag,
+            INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2", HW_CVT=use_hw_cvt(data.device),
+            GUARD=guard is not None, GUARD_LO=int(lo), GUARD_HI=int(hi))
     return out
 
 
@@ -708,9 +707,8 @@ def mxfp8_dequantize(t: MXTensor, out_dtype="float32"):
     forced = _fixed_tile()
     if forced is not None:
         bm, bn, warps = forced
-        _dequantize_heuristic[grid({"BM": bm, "BN": bn})](
-            **args, BM=bm, BN=bn, num_warps=warps, num_stages=1, maxnreg=_register_cap(forced),
-            enable_fp_fusion=False)
+        fast_launch(_dequantize_heuristic, grid({"BM": bm, "BN": bn}), **args, BM=bm, BN=bn, num_warps=warps,
+                    num_stages=1, maxnreg=_register_cap(forced), enable_fp_fusion=False)
     else:
-        _dequantize_tuned[grid](**args, enable_fp_fusion=False)
+        fast_launch(_dequantize_tuned, grid, **args, enable_fp_fusion=False)
     return out

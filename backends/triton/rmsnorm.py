@@ -35,7 +35,7 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, interpret_mode, sm_count, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, sm_count, triton_reasons
 from ._fpbits import widen_f32
 from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
 
@@ -227,10 +227,10 @@ def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
         bands = n_rows // BLOCK_SIZE
         if interpret_mode() or _forced_config is not None or not autotune_enabled():
             cfg = dict(_forced_config or (_INTERPRET_CONFIG if interpret_mode() else _FIXED_CONFIG))
-            _rmsnorm_mxfp8_kernel[(bands, cfg["SPLIT"])](*args, **meta, **cfg, enable_fp_fusion=False)
+            fast_launch(_rmsnorm_mxfp8_kernel, (bands, cfg["SPLIT"]), *args, **meta, **cfg, enable_fp_fusion=False)
         else:
             grid = lambda m: (bands, m["SPLIT"])  # noqa: E731
-            _rmsnorm_tuned[grid](*args, **meta, enable_fp_fusion=False)
+            fast_launch(_rmsnorm_tuned, grid, *args, **meta, enable_fp_fusion=False)
 
     dtype = _ELEM_TORCH[elem]
     y_row = MXTensor(row_codes.view(dtype), row_scale, 1, elem)

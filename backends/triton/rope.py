@@ -35,7 +35,7 @@ import triton.language as tl
 from spec.constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, triton_reasons
 from ._fpbits import round_f32_canonical_nan, widen_f32
 
 _TORCH_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -344,10 +344,10 @@ def _launch(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, 
     if interpret_mode() or not autotune_enabled():
         cfg = _fixed_config(n_heads, block_keep, block_half)
         grid = (cdiv(n_tokens, cfg["BLOCK_T"]),)
-        _rope_kernel[grid](*args, **meta, **cfg, enable_fp_fusion=False)
+        fast_launch(_rope_kernel, grid, *args, **meta, **cfg, enable_fp_fusion=False)
     else:
         grid = lambda m: (cdiv(n_tokens, m["BLOCK_T"]),)  # noqa: E731
-        _rope_autotuned[grid](*args, **meta, enable_fp_fusion=False)
+        fast_launch(_rope_autotuned, grid, *args, **meta, enable_fp_fusion=False)
     return out
 
 
