@@ -168,6 +168,27 @@ def test_unhashable_argument_goes_through_triton(toy):
     assert [e[0] for e in log] == ["triton", "triton"]
 
 
+def test_descriptor_key(toy):
+    """A TMA descriptor enters the key by what its encoding reads; its base tensor is not held."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel, log = toy
+    base = torch.zeros(64, 64)
+    other = torch.zeros(64, 64)
+    d = lambda t, block: TensorDescriptor(t, list(t.shape), list(t.stride()), block)  # noqa: E731
+    _launch(kernel, d(base, [16, 16]), base, 1000)
+    _launch(kernel, d(other, [16, 16]), base, 1000)   # same description, another tensor: kept launch
+    _launch(kernel, d(other, [32, 16]), base, 1000)   # another block shape: Triton
+    _launch(kernel, d(other[:32], [16, 16]), base, 1000)  # another shape: Triton
+    assert [e[0] for e in log] == ["triton", "fast", "triton", "triton"]
+    assert log[1][2][0].base is other
+    ref = weakref.ref(base)
+    del base, other
+    log.clear()
+    gc.collect()
+    assert ref() is None
+
+
 def test_kept_launch_holds_no_tensor(toy):
     kernel, log = toy
     x, y = torch.zeros(64), torch.zeros(64)

@@ -1,7 +1,8 @@
 """Host and GPU time of each op in the MXFP8 block's forward (B1 S4096, DeepSeek-V3 shapes): the autograd
 op, the dispatch.run call and the backend call, so a host-bound forward shows which layer costs.
 
-    python tools/profile_block_ops.py      # CUDA; prints one table
+    python tools/profile_block_ops.py              # CUDA; prints one table
+    python tools/profile_block_ops.py --cprofile   # and, per autograd op, its host time by function
 """
 import os
 import sys
@@ -63,3 +64,22 @@ for name, fn in cases.items():
     e1.record()
     torch.cuda.synchronize()
     print(f"{name:28} {host:9.1f} {e0.elapsed_time(e1) / n:8.3f}", flush=True)
+
+if "--cprofile" in sys.argv:
+    import cProfile
+    import pstats
+
+    for name, fn in cases.items():
+        if not name.endswith("autograd"):
+            continue
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:14]
+        print(f"== {name}: own host us per call (cProfile, 20 calls)")
+        for (f, line, func), (_, nc, tt, _, _) in rows:
+            print(f"   {tt / 20 * 1e6:8.1f} us  x{nc // 20:<3} {os.path.basename(f)}:{line} {func}")

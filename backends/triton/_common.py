@@ -112,8 +112,9 @@ def launch_tuned(kernel, grid, *args, **kwargs):
 # its data pointer is 16-byte aligned (what Triton specializes a pointer on). The first launch of a key
 # goes through Triton; its result is kept only when it can be reproduced: a CompiledKernel came back,
 # every wrapper layer is an Autotuner (config without pre_hook) or Heuristics, and the values it
-# resolved for the constexpr parameters equal the compiled kernel's constants. Anything else (an
-# unhashable argument such as a tensor descriptor, the interpreter) takes Triton's path. The kept launch
+# resolved for the constexpr parameters equal the compiled kernel's constants. A TMA tensor descriptor
+# enters the key by its base tensor's dtype and alignment, shape, strides, block shape and layout. Anything
+# else (an unhashable argument, the interpreter) takes Triton's path. The kept launch
 # goes through the compiled kernel's own launcher (CompiledKernel[grid]), which calls Triton's launch
 # hooks (profilers) as a launch through Triton does.
 
@@ -134,9 +135,19 @@ def _jit_types():
     return _JIT_TYPES
 
 
+def _is_descriptor(v) -> bool:
+    """A host-side TMA tensor descriptor (triton.tools / Gluon's TensorDescriptor): it holds a tensor."""
+    return type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), torch.Tensor)
+
+
 def _arg_key(v):
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
+    if _is_descriptor(v):  # what its specialization and encoding read, the base tensor by dtype and alignment
+        base = v.base
+        return (type(v), base.dtype, base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides),
+                tuple(v.block_shape), getattr(v, "layout", None), getattr(v, "padding", None),
+                getattr(v, "round_f32_to_tf32", None))
     return (type(v), v)
 
 
@@ -190,7 +201,7 @@ def _resolve_launch(kernel, grid, compiled, args, kwargs):
         if mine != value:
             return None
     # what a grid function may read: the non-tensor values (none of the call's tensors stay referenced)
-    meta = {k: v for k, v in merged.items() if not isinstance(v, torch.Tensor)}
+    meta = {k: v for k, v in merged.items() if not isinstance(v, torch.Tensor) and not _is_descriptor(v)}
     if callable(grid):
         try:
             if _grid3(grid(meta)) != _grid3(grid(merged)):
