@@ -66,6 +66,7 @@ capture of forward + backward; `gpu` marker).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -107,8 +108,23 @@ class TrackedMXTensor(MXTensor):
     grad_proxy: Any = None
 
 
+_EAGER = threading.local()  # .active: inside _EagerOp.forward (plain eager autograd calls)
+_ZEROS: dict = {}  # (dtype, device) -> a 0-dim zero the eager path's proxies expand
+
+
 def grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
-    """A zero-filled tensor of `shape` backed by one element (every stride 0)."""
+    """A zero-filled tensor of `shape` backed by one element (every stride 0). Inside a plain eager
+    call the element is one kept zero per dtype and device (an expanded tensor cannot be written to, so
+    sharing it is safe, and each op saves an allocation and a fill launch); a custom-op call (compile,
+    tensor subclasses) gets a fresh one, as custom ops' outputs must not share storage."""
+    if getattr(_EAGER, "active", False):
+        key = (dtype, device if isinstance(device, torch.device) else torch.device(device))
+        base = _ZEROS.get(key)
+        if base is None:
+            base = torch.zeros((), dtype=dtype, device=key[1])
+            if key[1].type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a captured fill runs later
+                _ZEROS[key] = base
+        return base.expand(tuple(shape))
     return torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
 
 
@@ -145,7 +161,12 @@ def _plain(args) -> bool:
 class _EagerOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, *args):
-        out = op._init_fn(*args)
+        outer = getattr(_EAGER, "active", False)
+        _EAGER.active = True
+        try:
+            out = op._init_fn(*args)
+        finally:
+            _EAGER.active = outer
         setup, backward = _EAGER_RULES[op]
         setup(ctx, args, out)
         ctx.mx_rule = (backward, isinstance(out, list))

@@ -140,7 +140,12 @@ def _is_descriptor(v) -> bool:
     return type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), torch.Tensor)
 
 
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
 def _arg_key(v):
+    if type(v) in _PLAIN:
+        return v  # its type enters the key separately (True == 1 must not share an entry)
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if _is_descriptor(v):  # what its specialization and encoding read, the base tensor by dtype and alignment
@@ -148,7 +153,7 @@ def _arg_key(v):
         return (type(v), base.dtype, base.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides),
                 tuple(v.block_shape), getattr(v, "layout", None), getattr(v, "padding", None),
                 getattr(v, "round_f32_to_tf32", None))
-    return (type(v), v)
+    return v
 
 
 def _resolve_launch(kernel, grid, compiled, args, kwargs):
@@ -226,8 +231,9 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     try:
-        key = (kernel, torch.cuda.current_device(), tuple(kwargs), tuple(_arg_key(v) for v in args),
-               tuple(_arg_key(v) for v in kwargs.values()))
+        values = (*args, *kwargs.values())
+        key = (kernel, torch.cuda.current_device(), tuple(kwargs), tuple(map(type, values)),
+               tuple([v if type(v) in _PLAIN else _arg_key(v) for v in values]))
         entry = _FAST_LAUNCHES.get(key)
     except TypeError:  # an unhashable argument (a tensor descriptor): no key
         kernel[grid](*args, **kwargs)
