@@ -293,8 +293,8 @@ class Recorder:
                 row["roofline_ms"] = roof
         row.setdefault("device", self._device)
         row = {k: _plain(v) for k, v in row.items()}
+        self.rows.append(row)  # kept before it is printed: a SIGINT right after the print loses nothing
         print(ROW_PREFIX + json.dumps(row), flush=True)
-        self.rows.append(row)
         return row
 
     def note(self, text: str) -> None:
