@@ -2,7 +2,9 @@
 element format, scale mode and non-finite policy, with compact or swizzled scales.
 
 Quantize kernel (`_quantize_kernel`, memory bound)
-- Views: the input is [P, M, N] (contiguous). "Row" output = blocks of 32 along N, "col" output =
+- Views: the input is [P, M, N] (contiguous; a single-axis quantize also reads in place an input
+  whose rows / batches are strided, and whose N is runs of D elements a fixed step apart, such as a
+  [.., H, 128] slice of a [.., H, 256] projection: `_strided_geometry`, compact scales). "Row" output = blocks of 32 along N, "col" output =
   blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K]; axis=0 the col
   mode of [1, M, prod(rest)]; a middle axis the col mode with P = product of the axes before it.
   axis=(-1, 0) / (0, -1) is ONE pass in the dual mode of [1, M, prod(rest)]: each [BM, BN] tile is
@@ -194,9 +196,19 @@ def _col_scale_offsets(m0, offs_n, batch, M, N, COL_CP, MB: tl.constexpr, COL_SW
 
 
 @triton.jit
+def _x_cols(offs_n, SXH, X_INNER: tl.constexpr):
+    """Input offsets of columns offs_n: contiguous, or runs of X_INNER elements SXH apart (the heads of
+    a [.., H, D] view whose D is a slice of a wider last axis)."""
+    if X_INNER == 0:
+        return offs_n
+    return (offs_n // X_INNER) * SXH + offs_n % X_INNER
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, row_code_ptr, row_scale_ptr, col_code_ptr, col_scale_ptr,
     M, N,  # data extent of one [M, N] batch
+    SXP, SXM, SXH,  # input strides (elements): batch, row, and the head step of a split N (X_INNER)
     GRID_M, GRID_N,  # extent covered by tiles (M, N, or both rounded up to 128 to write swizzle padding)
     ROW_LIM_M, ROW_LIM_N, COL_LIM_M, COL_LIM_N,  # scale-store limits in data coordinates
     ROW_LAST,  # row mode with swizzled scales of an N-D tensor: length of its last axis
@@ -209,6 +221,7 @@ def _quantize_kernel(
     MBITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
     MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     INTERPRET: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    X_INNER: tl.constexpr = 0,  # 0: column n of the input at +n; else at (n // X_INNER) * SXH + n % X_INNER
 ):
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(GRID_N, BN)
@@ -225,9 +238,10 @@ def _quantize_kernel(
         offs_m = offs_m.to(tl.int64)
         batch = batch.to(tl.int64)
     base = batch * M * N
-    offs = base + offs_m[:, None] * N + offs_n[None, :]
+    offs = base + offs_m[:, None] * N + offs_n[None, :]  # the outputs' (contiguous) element offsets
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    x = _load_f32(x_ptr + offs, mask, X_KIND, MASKED)
+    x_row0 = batch * SXP + offs_m[:, None] * SXM
+    x = _load_f32(x_ptr + x_row0 + _x_cols(offs_n, SXH, X_INNER)[None, :], mask, X_KIND, MASKED)
 
     # NaN-propagating block amaxes: NaN marks blocks holding NaN, Inf blocks holding Inf; on a finite
     # tile they are the spec's amaxes. Both directions see the same elements, so the row amaxes decide
@@ -266,7 +280,7 @@ def _quantize_kernel(
             offs_c = n0 + c * 32 + tl.arange(0, 32)
             offs_s = base + offs_m[:, None] * N + offs_c[None, :]
             mask_s = (offs_m[:, None] < M) & (offs_c[None, :] < N)
-            xs = _load_f32(x_ptr + offs_s, mask_s, X_KIND, MASKED)
+            xs = _load_f32(x_ptr + x_row0 + _x_cols(offs_c, SXH, X_INNER)[None, :], mask_s, X_KIND, MASKED)
             if ROW:
                 xs_row = tl.reshape(xs, [BM, 1, 32])
                 bits = xs_row.to(tl.int32, bitcast=True) & F32_ABS_MASK
@@ -386,12 +400,18 @@ def _roundup(n: int, m: int) -> int:
 
 
 def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict], elem: str, scale_mode: str,
-                     nonfinite: str) -> None:
+                     nonfinite: str, geometry: Optional[Tuple[int, ...]] = None) -> None:
     """One pass over x3 (contiguous [P, M, N]) writing the row and/or col outputs described by
     `row` / `col`: dict(code, scale (uint8 buffers), swizzled, lim (scale-store limits in data
     coordinates), cp (C' of the swizzled matrix), last (row: the tensor's last-axis length), pad
-    (write the swizzle padding from an extended grid))."""
-    p, m, n = x3.shape
+    (write the swizzle padding from an extended grid)). geometry: (P, M, N, SXP, SXM, SXH, X_INNER)
+    when x3 is a strided tensor read in place (_strided_geometry); the outputs stay contiguous."""
+    if geometry is None:
+        p, m, n = x3.shape
+        sxp, sxm, sxh, inner = m * n, n, 0, 0
+    else:
+        p, m, n, sxp, sxm, sxh, inner = geometry
+    x_extent = (p - 1) * sxp + (m - 1) * sxm + ((n // inner - 1) * sxh + inner if inner else n)
     pad = bool((row and row["pad"]) or (col and col["pad"]))
     grid_m, grid_n = (_roundup(m, SWIZZLE_ROWS), _roundup(n, SWIZZLE_ROWS)) if pad else (m, n)
     row_last = row["last"] if row else n
@@ -401,7 +421,7 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
         x_ptr=x_arg,
         row_code_ptr=row["code"] if row else unused, row_scale_ptr=row["scale"] if row else unused,
         col_code_ptr=col["code"] if col else unused, col_scale_ptr=col["scale"] if col else unused,
-        M=m, N=n, GRID_M=grid_m, GRID_N=grid_n,
+        M=m, N=n, SXP=sxp, SXM=sxm, SXH=sxh, GRID_M=grid_m, GRID_N=grid_n,
         ROW_LIM_M=row["lim"][0] if row else 0, ROW_LIM_N=row["lim"][1] if row else 0,
         COL_LIM_M=col["lim"][0] if col else 0, COL_LIM_N=col["lim"][1] if col else 0,
         ROW_LAST=row_last, ROW_CP=row["cp"] if row else 4, COL_CP=col["cp"] if col else 4,
@@ -411,7 +431,7 @@ def _launch_quantize(x3: torch.Tensor, row: Optional[dict], col: Optional[dict],
         ROW_SPLIT=bool(row and row["swizzled"] and row_last != n),
         SCALE_MODE=_SCALE_MODE_CODE[scale_mode], NAN_BLOCK=nonfinite == "nan_block",
         HW_CVT=use_hw_cvt(x3.device), INTERPRET=interpret_mode(),
-        IDX64=p * (grid_m + 128) * (grid_n + 128) >= 2**31,
+        IDX64=p * (grid_m + 128) * (grid_n + 128) >= 2**31 or x_extent >= 2**31, X_INNER=inner,
         **elem_meta(elem),
     )
 
@@ -474,22 +494,73 @@ def _quantize_pair(x: torch.Tensor, elem, scale_mode, nonfinite, swizzled) -> Tu
     return (MXTensor(r_data, r_scale, len(shape) - 1, elem, layout), MXTensor(c_data, c_scale, 0, elem, layout))
 
 
+def _collapse(dims) -> Optional[Tuple[int, int]]:
+    """(size, stride) of dims [(size, stride), ...] (outer first) as one strided axis, or None when they
+    do not form one (size-1 dims are ignored)."""
+    dims = [(n, st) for n, st in dims if n != 1]
+    if not dims:
+        return 1, 0
+    for (_, outer), (n_in, inner) in zip(dims, dims[1:]):
+        if outer != inner * n_in:
+            return None
+    return math.prod(n for n, _ in dims), dims[-1][1]
+
+
+def _strided_geometry(x: torch.Tensor, axis: int) -> Optional[Tuple[int, ...]]:
+    """(P, M, N, SXP, SXM, SXH, X_INNER) for reading x in place when quantizing along one axis (a slice
+    of a wider last axis, such as k_nope or v of a fused [.., H, 256] projection), or None when x
+    needs a contiguous copy. Row mode (the last axis): the leading axes must form one strided axis. Col
+    mode: the axes before `axis` one strided axis, the axes after it a contiguous last axis, optionally
+    below one strided head axis."""
+    shape, strides = tuple(x.shape), x.stride()
+    nd = len(shape)
+    if strides[-1] != 1 and shape[-1] != 1:
+        return None
+    if axis == nd - 1:
+        lead = _collapse(zip(shape[:-1], strides[:-1]))
+        if lead is None:
+            return None
+        rows, sxm = lead
+        return 1, rows, shape[-1], 0, sxm, 0, 0
+    before = _collapse(zip(shape[:axis], strides[:axis]))
+    if before is None:
+        return None
+    after = [(n, st) for n, st in zip(shape[axis + 1:], strides[axis + 1:]) if n != 1]
+    if not after or (len(after) == 1 and after[0][1] == 1):
+        inner, sxh = 0, 0
+    elif len(after) == 2 and after[1][1] == 1 and after[1][0] % BLOCK_SIZE == 0:
+        inner, sxh = after[1][0], after[0][1]
+    else:
+        return None
+    p, sxp = before
+    return p, shape[axis], math.prod(shape[axis + 1:]), sxp, strides[axis], sxh, inner
+
+
 def _quantize_one(x: torch.Tensor, axis: int, elem, scale_mode, nonfinite, swizzled) -> MXTensor:
+    """One axis of x; a strided x is read in place where _strided_geometry can describe it (compact
+    scales), else through a contiguous copy."""
     shape = tuple(x.shape)
     layout = "swizzled" if swizzled else "compact"
+    geometry = None
+    if not x.is_contiguous():
+        geometry = None if swizzled else _strided_geometry(x, axis)
+        if geometry is None:
+            x = x.contiguous()
     if axis == len(shape) - 1:  # row mode of [prod(lead), K]
         k = shape[-1]
         r = math.prod(shape[:-1])
         data, scale, row = _new_output(shape, axis, elem, swizzled, True, x.device)
         row["last"] = k
         if x.numel():
-            _launch_quantize(x.view(1, r, k), _finish_lims(row, r, k), None, elem, scale_mode, nonfinite)
+            x3 = x if geometry is not None else x.view(1, r, k)
+            _launch_quantize(x3, _finish_lims(row, r, k), None, elem, scale_mode, nonfinite, geometry)
         return MXTensor(data, scale, axis, elem, layout)
     # col mode of [P, M, N]: P axes before, N the flattened axes after
     p, m, n = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     data, scale, col = _new_output(shape, axis, elem, swizzled, p == 1, x.device)
     if x.numel():
-        _launch_quantize(x.view(p, m, n), None, _finish_lims(col, m, n), elem, scale_mode, nonfinite)
+        x3 = x if geometry is not None else x.view(p, m, n)
+        _launch_quantize(x3, None, _finish_lims(col, m, n), elem, scale_mode, nonfinite, geometry)
     return MXTensor(data, scale, axis, elem, layout)
 
 
@@ -501,10 +572,11 @@ def quantize_reasons(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfinite="sat
 @register("mxfp8_quantize", "triton", check=quantize_reasons)
 def mxfp8_quantize(x, axis=-1, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact"):
     axes, as_tuple = normalize_axes(axis, x.dim())
-    x = x.contiguous()
     swizzled = scale_layout == "swizzled"
     last = x.dim() - 1
     done: Dict[int, MXTensor] = {}
+    if len(axes) > 1:  # several passes over one copy (a single axis may read a strided x in place)
+        x = x.contiguous()
     if last > 0 and 0 in axes and last in axes:  # the one-pass dual kernel
         done[last], done[0] = _quantize_pair(x, elem, scale_mode, nonfinite, swizzled)
     for a in axes:

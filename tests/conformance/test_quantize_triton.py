@@ -369,3 +369,73 @@ def test_hw_cvt_matches_bit_encoder_cuda(device, monkeypatch):
             for g, h in zip(got, outs["0", elem, mode]):
                 assert_bytes_equal(g.data, h.data, f"{elem} {mode} data hw vs bits")
                 assert_bytes_equal(g.scale, h.scale, f"{elem} {mode} scale hw vs bits")
+
+
+# --------------------------------------------------------------------------------------------------
+# strided inputs read in place (single axis): slices of a wider last axis
+# --------------------------------------------------------------------------------------------------
+def _strided_case(rng, wide_shape, in_dtype):
+    x = random_magnitudes(rng, wide_shape, np.float32)
+    flat = x.reshape(-1)
+    sv = special_values_f32()
+    flat[: sv.size] = sv  # special values in the first rows' blocks
+    flat[200:232] = np.nan  # an all-NaN block (row mode) ...
+    if x.shape[-1] >= 64:
+        x[..., 1, 32:64] = 0.0  # ... and all-zero blocks
+    return x.astype({"float32": np.float32, "bfloat16": BF16}[in_dtype])
+
+
+@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["k_nope", "v_rows", "v_cols", "mid_axis"])
+def test_strided_single_axis_in_place(device, monkeypatch, case, in_dtype):
+    """A slice of a [B, S, H, 256] projection, quantized along D (rows) or S (columns), is read in place
+    (no contiguous copy: the launch gets a geometry) and gives spec's bytes for the sliced values."""
+    wide = _strided_case(_rng("strided", case, in_dtype), (2, 64, 3, 256), in_dtype)
+    xt = to_torch(wide, device)
+    sl = {"k_nope": (slice(None), slice(None), slice(None), slice(0, 128)),
+          "v_rows": (slice(None), slice(None), slice(None), slice(128, 256)),
+          "v_cols": (slice(None), slice(None), slice(None), slice(128, 256)),
+          "mid_axis": (slice(None), slice(None), slice(None), slice(64, 192))}[case]
+    axis = {"k_nope": -1, "v_rows": -1, "v_cols": 1, "mid_axis": 1}[case]
+    view = xt[sl]
+    assert not view.is_contiguous()
+    geometries = []
+    real = tq._launch_quantize
+
+    def spy(x3, row, col, elem, scale_mode, nonfinite, geometry=None):
+        geometries.append(geometry)
+        return real(x3, row, col, elem, scale_mode, nonfinite, geometry)
+
+    monkeypatch.setattr(tq, "_launch_quantize", spy)
+    for elem, mode, nonfinite in (("e4m3", "rceil", "saturate"), ("e5m2", "floor", "nan_block")):
+        got = tq.mxfp8_quantize(view, axis=axis, elem=elem, scale_mode=mode, nonfinite=nonfinite)
+        want = spec.mxfp8_quantize(np.ascontiguousarray(wide[sl]), axis=axis, elem=elem, scale_mode=mode,
+                                   nonfinite=nonfinite)
+        _check(got, want, f"{case} {elem} {mode} {nonfinite}")
+    assert all(g is not None for g in geometries), geometries
+
+
+def test_strided_geometry_rules():
+    """What is read in place and what is copied first."""
+    wide = torch.zeros(2, 64, 3, 256)
+    g = tq._strided_geometry
+    assert g(wide[..., :128], 3) == (1, 2 * 64 * 3, 128, 0, 256, 0, 0)
+    assert g(wide[..., 128:], 1) == (2, 64, 3 * 128, 64 * 3 * 256, 3 * 256, 256, 128)
+    assert g(wide[:, :, 0], 1) == (2, 64, 256, 64 * 3 * 256, 3 * 256, 0, 0)
+    assert g(wide.transpose(1, 2)[..., :128], 3) is None          # rows not one strided axis
+    assert g(wide[..., ::2], 3) is None                            # last axis not contiguous
+    assert g(torch.zeros(4, 64, 1, 64).expand(4, 64, 3, 64), 3) is None  # broadcast heads under rows
+    assert g(torch.zeros(2, 64, 3, 4, 64)[..., :32], 1) is None    # more than one axis above D
+    assert g(torch.zeros(64, 3, 48)[..., :40], 0) is None          # D not whole blocks
+
+
+def test_strided_swizzled_and_pairs_copy(device, monkeypatch):
+    """Swizzled scales and axis tuples go through a contiguous copy (geometry None), bytes unchanged."""
+    wide = _strided_case(_rng("strided-copy"), (64, 2, 256), "bfloat16")
+    view = to_torch(wide, device)[..., :128]
+    for kw in (dict(axis=-1, scale_layout="swizzled"), dict(axis=(-1, 0))):
+        with _count_launches(monkeypatch) as calls:
+            got = tq.mxfp8_quantize(view, **kw)
+        want = spec.mxfp8_quantize(np.ascontiguousarray(wide[..., :128]), **kw)
+        _check(got, want, str(kw))
+        assert calls
