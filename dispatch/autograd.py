@@ -88,6 +88,8 @@ __all__ = [
     "rmsnorm_backward",
     "mla_attention",
     "reshape_mx",
+    "expand_mx",
+    "cat_mx",
     "grad_proxy",
     "OPS",
 ]
@@ -743,6 +745,84 @@ def reshape_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
         proxy = None if t.grad_proxy is None else t.grad_proxy.reshape(shape)
         return TrackedMXTensor(data, scale, len(shape) - 1, t.elem, "compact", proxy)
     return MXTensor(data, scale, len(shape) - 1, t.elem, "compact")
+
+
+def expand_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
+    """A broadcast view of t (torch.expand rules) that keeps the blocked axis's length: codes and
+    compact scales are expanded alike (no copy), and a tracked t's proxy is expanded, so the gradient of
+    the copies sums back into t's."""
+    shape = tuple(int(n) for n in shape)
+    if t.scale_layout != "compact" or len(shape) != t.ndim or shape[t.axis] != t.shape[t.axis]:
+        raise ValueError(f"t: expand_mx broadcasts a compact MXTensor over its other axes, keeping axis {t.axis} "
+                         f"of length {t.shape[t.axis]}; got {t.scale_layout} scales of shape {t.shape} -> {shape}")
+    scale_shape = shape[:t.axis] + (shape[t.axis] // BLOCK_SIZE,) + shape[t.axis + 1:]
+    data, scale = t.data.expand(shape), t.scale.expand(scale_shape)
+    if isinstance(t, TrackedMXTensor):
+        proxy = None if t.grad_proxy is None else t.grad_proxy.expand(shape)
+        return TrackedMXTensor(data, scale, t.axis, t.elem, "compact", proxy)
+    return MXTensor(data, scale, t.axis, t.elem, "compact")
+
+
+class _ProxyCat(torch.autograd.Function):
+    """The proxy of a concatenation: a fresh zero-stride proxy (never a materialized zero tensor), whose
+    gradient goes back to each input's proxy as its slice."""
+
+    @staticmethod
+    def forward(ctx, dim: int, shape: Tuple[int, ...], *proxies):
+        ctx.dim, ctx.sizes = dim, [p.shape[dim] for p in proxies]
+        return grad_proxy(shape, proxies[0].dtype, proxies[0].device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, *grad.split(ctx.sizes, dim=ctx.dim))
+
+
+def _cat_bytes(parts: Sequence[Tensor], dim: int) -> Tensor:
+    """torch.cat of uint8 tensors along dim; along the last axis in 4-byte words where every part allows
+    it (torch's byte-wise concatenation runs at a fraction of copy bandwidth)."""
+    last = dim == parts[0].dim() - 1
+    if last and all(p.shape[-1] % 4 == 0 and p.stride(-1) == 1 and all(st % 4 == 0 for st in p.stride()[:-1])
+                    and p.data_ptr() % 4 == 0 for p in parts):
+        return torch.cat([p.view(torch.int32) for p in parts], dim=dim).view(torch.uint8)
+    return torch.cat(list(parts), dim=dim)
+
+
+def cat_mx(tensors: Sequence[MXTensor], dim: int) -> MXTensor:
+    """The MXTensor of torch.cat(dequantized tensors, dim), from the codes and compact scales alone:
+    exact, since every MXFP8 block lies inside one input (along the blocked axis each input's length is
+    a multiple of 32), so the result is byte-equal to quantizing the concatenated values. Inputs share
+    elem and blocked axis; tracked inputs give a tracked result whose gradient is split back to them
+    (e.g. k = cat_mx([k_nope, expand_mx(k_pe, ...)], -1): one fp8 copy instead of a bf16 cat and a
+    quantize pass over it)."""
+    tensors = list(tensors)
+    if not tensors or not all(isinstance(t, MXTensor) for t in tensors):
+        raise TypeError(f"tensors: expected a non-empty sequence of MXTensors, got "
+                        f"{[type(t).__name__ for t in tensors] or 'an empty one'}")
+    first = tensors[0]
+    nd = first.ndim
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -nd <= dim < nd:
+        raise ValueError(f"dim: expected an int in [{-nd}, {nd}), got {dim!r}")
+    dim %= nd
+    for i, t in enumerate(tensors):
+        if (t.ndim, t.axis, t.elem, t.scale_layout) != (nd, first.axis, first.elem, "compact"):
+            raise ValueError(f"tensors[{i}]: expected compact scales, {nd} dims, blocked axis {first.axis} and "
+                             f"elem {first.elem!r} like tensors[0]; got {t.scale_layout} scales, {t.ndim} dims, "
+                             f"axis {t.axis}, elem {t.elem!r}")
+        other = [n for j, n in enumerate(t.shape) if j != dim]
+        if other != [n for j, n in enumerate(first.shape) if j != dim]:
+            raise ValueError(f"tensors[{i}]: shape {t.shape} differs from tensors[0] {first.shape} outside dim {dim}")
+    data = _cat_bytes([t.data.view(torch.uint8) for t in tensors], dim).view(_FP8[first.elem])
+    scale = torch.cat([t.scale for t in tensors], dim=dim)
+    tracked = [t for t in tensors if isinstance(t, TrackedMXTensor) and t.grad_proxy is not None]
+    if not tracked:
+        return MXTensor(data, scale, first.axis, first.elem, "compact")
+    like = tracked[0].grad_proxy
+    proxies = [t.grad_proxy if isinstance(t, TrackedMXTensor) and t.grad_proxy is not None
+               else grad_proxy(t.shape, like.dtype, like.device) for t in tensors]
+    if len({p.dtype for p in proxies}) != 1:
+        raise ValueError(f"tensors: tracked inputs' gradients differ in dtype ({sorted({str(p.dtype) for p in proxies})})")
+    proxy = _ProxyCat.apply(dim, tuple(data.shape), *proxies)
+    return TrackedMXTensor(data, scale, first.axis, first.elem, "compact", proxy)
 
 
 OPS = {

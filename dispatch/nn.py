@@ -225,7 +225,7 @@ def attention_operand(t, axis: int, path: str, backend=None):
         return t
     if path == "bf16":
         return t.to(torch.bfloat16)
-    return mxag.mxfp8_quantize(t.contiguous(), axis=axis, backend=backend)
+    return mxag.mxfp8_quantize(t, axis=axis, backend=backend)  # a strided slice is read in place where it can be
 
 
 class MLAAttention(nn.Module):
