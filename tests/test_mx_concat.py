@@ -24,13 +24,19 @@ def _inputs(gen, scale=1.0):
 
 
 @pytest.mark.parametrize("scale", [2.0 ** -20, 1.0, 2.0 ** 20])
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-cuda"])
 def test_key_from_codes_equals_quantized_cat(scale, backend, monkeypatch):
+    device = "cpu"
     if backend == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+    elif backend == "triton-cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        backend, device = "triton", "cuda"
     gen = torch.Generator().manual_seed(11)
-    kv, k_pe = _inputs(gen, scale)
+    kv, k_pe = (t.detach().to(device).requires_grad_(True) for t in _inputs(gen, scale))
     k_nope = kv[..., :128]  # a strided slice (the triton backend reads it in place)
     want = mxag.mxfp8_quantize(torch.cat([k_nope, k_pe.expand(2, 64, 3, 64)], dim=-1), axis=-1, backend=backend)
     got = mxag.cat_mx([mxag.mxfp8_quantize(k_nope, axis=-1, backend=backend),
