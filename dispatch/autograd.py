@@ -53,6 +53,14 @@ Gradient definitions (SEMANTICS.md has none for training; these are the choices)
 
 Double backward is not supported (the backward ops have no autograd formula).
 
+Helpers on tracked MXFP8 tensors (views and joins of codes and scales; no kernels of their own):
+`reshape_mx` (new leading shape, blocked last axis kept), `expand_mx` (broadcast over the other axes;
+the proxy is expanded, so the gradients of the copies sum back) and `cat_mx` (concatenation: exact,
+since every block lies inside one input, so byte-equal to quantizing the concatenated values; the
+result's proxy hands each input its slice of the gradient). MLA's key is the example:
+`cat_mx([k_nope, expand_mx(k_pe, (B, S, H, 64))], -1)` writes one fp8 copy instead of a bf16
+concatenation followed by a quantize pass over it.
+
 ## Why custom ops throughout
 torch.autograd.Function would need no proxy, but dynamo traces into its forward and backward, i.e.
 into `dispatch.run` and the backends' Python (environment reads, selection caches, NumPy in the spec
@@ -779,9 +787,10 @@ class _ProxyCat(torch.autograd.Function):
 
 def _cat_bytes(parts: Sequence[Tensor], dim: int) -> Tensor:
     """torch.cat of uint8 tensors along dim; along the last axis in 4-byte words where every part allows
-    it (torch's byte-wise concatenation runs at a fraction of copy bandwidth)."""
+    it (torch's byte-wise concatenation runs at a fraction of copy bandwidth), else byte-wise."""
     last = dim == parts[0].dim() - 1
-    if last and all(p.shape[-1] % 4 == 0 and p.stride(-1) == 1 and all(st % 4 == 0 for st in p.stride()[:-1])
+    # plain tensors only: a DTensor's dtype view does not rescale its (global) last axis
+    if last and all(type(p) is torch.Tensor and p.shape[-1] % 4 == 0 and p.stride(-1) == 1 and all(st % 4 == 0 for st in p.stride()[:-1])
                     and p.data_ptr() % 4 == 0 for p in parts):
         return torch.cat([p.view(torch.int32) for p in parts], dim=dim).view(torch.uint8)
     return torch.cat(list(parts), dim=dim)
