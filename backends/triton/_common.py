@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -158,8 +159,9 @@ def _arg_key(v):
 
 def _resolve_launch(kernel, grid, compiled, args, kwargs):
     """(compiled kernel, meta, sources) reproducing the launch just made, or None when it cannot be
-    reproduced. meta: the launch's non-tensor values, for the grid function. sources: per kernel parameter, (0, i) = positional argument i, (1, name) = keyword argument,
-    (2, value) = a value the launch resolved (config, heuristics, default)."""
+    reproduced. meta: the launch's non-tensor values, for the grid function. sources: per kernel
+    parameter, (0, i) = positional argument i, (1, name) = keyword argument, (2, value) = a value the
+    launch resolved (config, heuristics, default)."""
     compiled_type, autotuner_type, heuristics_type, jit_type = _jit_types()
     if not isinstance(compiled, compiled_type):
         return None
@@ -181,8 +183,6 @@ def _resolve_launch(kernel, grid, compiled, args, kwargs):
         else:
             for name, rule in layer.values.items():
                 merged[name] = rule(merged)
-    import inspect
-
     for name, param in obj.signature.parameters.items():
         if name not in merged:
             if param.default is inspect.Parameter.empty:
@@ -235,7 +235,7 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
         key = (kernel, torch.cuda.current_device(), tuple(kwargs), tuple(map(type, values)),
                tuple([v if type(v) in _PLAIN else _arg_key(v) for v in values]))
         entry = _FAST_LAUNCHES.get(key)
-    except TypeError:  # an unhashable argument (a tensor descriptor): no key
+    except TypeError:  # an unhashable argument: no key
         kernel[grid](*args, **kwargs)
         return
     if entry is _NOT_KEPT:
