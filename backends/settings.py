@@ -46,7 +46,8 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "1: an exact fallback kernel (gated on a device-side guard) compiles in a background thread at its "
            "first call, which meanwhile reads the guard on the host (one synchronisation) and compiles and runs "
            "the fallback only if it is raised; 0: compiled at its first launch"),
-    Switch("MXMLA_TRITON_FAST_LAUNCH", FLAG, "1", "triton: _common.fast_launch (quantize, rmsnorm, rope)",
+    Switch("MXMLA_TRITON_FAST_LAUNCH", FLAG, "1",
+           "triton: _common.fast_launch (quantize, dequantize, rmsnorm, rope, the Gluon mla_q forward, gated fallbacks)",
            "1: a repeated launch (same kernel, device, argument values and pointer alignment) calls the "
            "compiled kernel directly, skipping the autotuner's and Triton's per-launch argument handling; "
            "0: every launch through Triton's own path"),

@@ -748,11 +748,21 @@ def reshape_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
         raise ValueError(f"t: reshape_mx keeps the blocked last axis of a compact MXTensor; got axis {t.axis} of "
                          f"shape {t.shape} ({t.scale_layout} scales) -> {shape}")
     scale_shape = shape[:-1] + (shape[-1] // BLOCK_SIZE,)
-    data, scale = t.data.reshape(shape), t.scale.reshape(scale_shape)
+    return _view_like(t, t.data.reshape(shape), t.scale.reshape(scale_shape), len(shape) - 1,
+                      lambda proxy: proxy.reshape(shape))
+
+
+def _proxy_of(t: MXTensor) -> Optional[Tensor]:
+    return t.grad_proxy if isinstance(t, TrackedMXTensor) else None
+
+
+def _view_like(t: MXTensor, data: Tensor, scale: Tensor, axis: int, proxy_view) -> MXTensor:
+    """A compact MXTensor over new views of t's codes and scales; tracked (its proxy through
+    proxy_view) when t is."""
     if isinstance(t, TrackedMXTensor):
-        proxy = None if t.grad_proxy is None else t.grad_proxy.reshape(shape)
-        return TrackedMXTensor(data, scale, len(shape) - 1, t.elem, "compact", proxy)
-    return MXTensor(data, scale, len(shape) - 1, t.elem, "compact")
+        proxy = _proxy_of(t)
+        return TrackedMXTensor(data, scale, axis, t.elem, "compact", None if proxy is None else proxy_view(proxy))
+    return MXTensor(data, scale, axis, t.elem, "compact")
 
 
 def expand_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
@@ -764,11 +774,8 @@ def expand_mx(t: MXTensor, shape: Sequence[int]) -> MXTensor:
         raise ValueError(f"t: expand_mx broadcasts a compact MXTensor over its other axes, keeping axis {t.axis} "
                          f"of length {t.shape[t.axis]}; got {t.scale_layout} scales of shape {t.shape} -> {shape}")
     scale_shape = shape[:t.axis] + (shape[t.axis] // BLOCK_SIZE,) + shape[t.axis + 1:]
-    data, scale = t.data.expand(shape), t.scale.expand(scale_shape)
-    if isinstance(t, TrackedMXTensor):
-        proxy = None if t.grad_proxy is None else t.grad_proxy.expand(shape)
-        return TrackedMXTensor(data, scale, t.axis, t.elem, "compact", proxy)
-    return MXTensor(data, scale, t.axis, t.elem, "compact")
+    return _view_like(t, t.data.expand(shape), t.scale.expand(scale_shape), t.axis,
+                      lambda proxy: proxy.expand(shape))
 
 
 class _ProxyCat(torch.autograd.Function):
@@ -790,8 +797,8 @@ def _cat_bytes(parts: Sequence[Tensor], dim: int) -> Tensor:
     it (torch's byte-wise concatenation runs at a fraction of copy bandwidth), else byte-wise."""
     last = dim == parts[0].dim() - 1
     # plain tensors only: a DTensor's dtype view does not rescale its (global) last axis
-    if last and all(type(p) is torch.Tensor and p.shape[-1] % 4 == 0 and p.stride(-1) == 1 and all(st % 4 == 0 for st in p.stride()[:-1])
-                    and p.data_ptr() % 4 == 0 for p in parts):
+    if last and all(type(p) is torch.Tensor and p.shape[-1] % 4 == 0 and p.stride(-1) == 1
+                    and all(st % 4 == 0 for st in p.stride()[:-1]) and p.data_ptr() % 4 == 0 for p in parts):
         return torch.cat([p.view(torch.int32) for p in parts], dim=dim).view(torch.uint8)
     return torch.cat(list(parts), dim=dim)
 
@@ -822,14 +829,14 @@ def cat_mx(tensors: Sequence[MXTensor], dim: int) -> MXTensor:
             raise ValueError(f"tensors[{i}]: shape {t.shape} differs from tensors[0] {first.shape} outside dim {dim}")
     data = _cat_bytes([t.data.view(torch.uint8) for t in tensors], dim).view(_FP8[first.elem])
     scale = torch.cat([t.scale for t in tensors], dim=dim)
-    tracked = [t for t in tensors if isinstance(t, TrackedMXTensor) and t.grad_proxy is not None]
-    if not tracked:
+    given = [_proxy_of(t) for t in tensors]
+    like = next((p for p in given if p is not None), None)
+    if like is None:
         return MXTensor(data, scale, first.axis, first.elem, "compact")
-    like = tracked[0].grad_proxy
-    proxies = [t.grad_proxy if isinstance(t, TrackedMXTensor) and t.grad_proxy is not None
-               else grad_proxy(t.shape, like.dtype, like.device) for t in tensors]
+    proxies = [grad_proxy(t.shape, like.dtype, like.device) if p is None else p for t, p in zip(tensors, given)]
     if len({p.dtype for p in proxies}) != 1:
-        raise ValueError(f"tensors: tracked inputs' gradients differ in dtype ({sorted({str(p.dtype) for p in proxies})})")
+        raise ValueError(f"tensors: tracked inputs' gradients differ in dtype "
+                         f"({sorted({str(p.dtype) for p in proxies})})")
     proxy = _ProxyCat.apply(dim, tuple(data.shape), *proxies)
     return TrackedMXTensor(data, scale, first.axis, first.elem, "compact", proxy)
 

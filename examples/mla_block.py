@@ -20,8 +20,8 @@ Paths (--path):
   up-projection is the fused
   `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
   MXFP8 along D (k_nope and the shared k_pe quantized, then joined by `cat_mx` with k_pe broadcast over
-  the heads: the bytes of quantizing the bf16 k), v along S, and `mla_attention` takes MXFP8 q, k, v. The other GEMMs (W_DQ,
-  W_DKV, W_UKV, W_O) stay bf16: this project provides MXFP8 kernels for the Q path and attention only.
+  the heads: the bytes of quantizing the bf16 k), v along S, and `mla_attention` takes MXFP8 q, k, v.
+  The other GEMMs (W_DQ, W_DKV, W_UKV, W_O) stay bf16: this project provides MXFP8 kernels for the Q path and attention only.
 - bf16: the same block in bf16 through the mxmla autograd ops: bf16 matmul for the Q up-projection,
   `rope` for q and k_pe, `mla_attention` with bf16 q, k, v.
 - torch: a pure torch bf16 reference, nothing from mxmla: RMSNorm, matmuls, the mla-style RoPE

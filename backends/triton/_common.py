@@ -114,10 +114,10 @@ def launch_tuned(kernel, grid, *args, **kwargs):
 # goes through Triton; its result is kept only when it can be reproduced: a CompiledKernel came back,
 # every wrapper layer is an Autotuner (config without pre_hook) or Heuristics, and the values it
 # resolved for the constexpr parameters equal the compiled kernel's constants. A TMA tensor descriptor
-# enters the key by its base tensor's dtype and alignment, shape, strides, block shape and layout. Anything
-# else (an unhashable argument, the interpreter) takes Triton's path. The kept launch
-# goes through the compiled kernel's own launcher (CompiledKernel[grid]), which calls Triton's launch
-# hooks (profilers) as a launch through Triton does.
+# enters the key by its base tensor's dtype and alignment, shape, strides, block shape and layout.
+# Anything else (an unhashable argument, the interpreter) takes Triton's path. The kept launch goes
+# through the compiled kernel's own launcher (CompiledKernel[grid]), which calls Triton's launch hooks
+# (profilers) as a launch through Triton does.
 
 _FAST_LAUNCHES: dict = {}
 _FAST_LIMIT = 4096  # entries kept at most (distinct shapes); beyond it launches take Triton's path
@@ -145,8 +145,7 @@ _PLAIN = frozenset((int, float, bool, str, type(None)))
 
 
 def _arg_key(v):
-    if type(v) in _PLAIN:
-        return v  # its type enters the key separately (True == 1 must not share an entry)
+    """The key part of a non-plain argument (plain values enter as themselves)."""
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.data_ptr() % 16 == 0)
     if _is_descriptor(v):  # what its specialization and encoding read, the base tensor by dtype and alignment
@@ -232,6 +231,7 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
         return
     try:
         values = (*args, *kwargs.values())
+        # the types enter separately: True == 1 must not share an entry
         key = (kernel, torch.cuda.current_device(), tuple(kwargs), tuple(map(type, values)),
                tuple([v if type(v) in _PLAIN else _arg_key(v) for v in values]))
         entry = _FAST_LAUNCHES.get(key)
@@ -248,7 +248,7 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
             *[args[v] if s == 0 else kwargs[v] if s == 1 else v for s, v in sources])
         return
     compiled = kernel[grid](*args, **kwargs)
-    if entry is None and len(_FAST_LAUNCHES) < _FAST_LIMIT:
+    if len(_FAST_LAUNCHES) < _FAST_LIMIT:
         # a launch that cannot be reproduced is remembered too: its next calls skip the resolution
         resolved = _resolve_launch(kernel, grid, compiled, args, kwargs)
         _FAST_LAUNCHES[key] = _NOT_KEPT if resolved is None else resolved

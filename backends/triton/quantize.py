@@ -4,8 +4,8 @@ element format, scale mode and non-finite policy, with compact or swizzled scale
 Quantize kernel (`_quantize_kernel`, memory bound)
 - Views: the input is [P, M, N] (contiguous; a single-axis quantize also reads in place an input
   whose rows / batches are strided, and whose N is runs of D elements a fixed step apart, such as a
-  [.., H, 128] slice of a [.., H, 256] projection: `_strided_geometry`, compact scales). "Row" output = blocks of 32 along N, "col" output =
-  blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K]; axis=0 the col
+  [.., H, 128] slice of a [.., H, 256] projection: `_strided_geometry`, compact scales). "Row"
+  output = blocks of 32 along N, "col" output = blocks of 32 along M. axis=-1 of any tensor is the row mode of [1, prod(lead), K]; axis=0 the col
   mode of [1, M, prod(rest)]; a middle axis the col mode with P = product of the axes before it.
   axis=(-1, 0) / (0, -1) is ONE pass in the dual mode of [1, M, prod(rest)]: each [BM, BN] tile is
   loaded once (16-byte vector loads), both amaxes come from the same registers, both code arrays
