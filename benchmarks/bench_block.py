@@ -75,6 +75,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="rounds in which the paths take turns")
     ap.add_argument("--first-step", action="store_true", help="also time the first step in fresh processes")
     ap.add_argument("--first-step-only", action="store_true", help="only the first-step times (no timed steps)")
+    ap.add_argument("--first-cprofile", type=int, default=0, metavar="N",
+                    help="with --first-step(-only): a third process (caches filled) runs the first step under "
+                         "cProfile and reports its N costliest functions (own and cumulative time)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
     ap.add_argument("--host-profile", action="store_true", help="also a host-time table by op per path")
     ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
@@ -292,14 +295,36 @@ def child_first_step(args) -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
+    prof = None
+    if args.first_cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     with FirstCallCosts() as costs:
         bench.step()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
     t2 = time.perf_counter()
+    if prof is not None:
+        prof.disable()
     print("FIRST_STEP " + json.dumps({"first_step_s": t2 - t1, "build_s": t1 - t0}), flush=True)
-    for line in costs.lines():
+    for line in costs.lines() + (cprofile_lines(prof, args.first_cprofile) if prof is not None else []):
         print("FIRST_PROFILE " + line, flush=True)
+
+
+def cprofile_lines(prof, top: int):
+    """The `top` functions of a cProfile run by own time and by time with callees (seconds, calls)."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats
+    out = []
+    for title, col in (("cProfile, own time", 2), ("cProfile, with callees", 3)):
+        out.append(f"{title}:")
+        for (f, line, func), row in sorted(stats.items(), key=lambda kv: -kv[1][col])[:top]:
+            where = f"{os.path.basename(os.path.dirname(f))}/{os.path.basename(f)}:{line}" if line else f
+            out.append(f"   {row[col]:7.3f} s {row[1]:6d}x  {where} {func}"[:160])
+    return out
 
 
 class FirstCallCosts:
@@ -371,8 +396,9 @@ class FirstCallCosts:
         return out
 
 
-def first_steps(shape, path, backend, smoke) -> dict:
-    """First-step seconds in a fresh process (empty Triton and Inductor caches) and a second one."""
+def first_steps(shape, path, backend, smoke, cprofile: int = 0) -> dict:
+    """First-step seconds in a fresh process (empty Triton and Inductor caches) and a second one; with
+    `cprofile`, a third process's first step under cProfile (its profile only: cProfile slows it)."""
     b, s = shape
     out = {}
     with tempfile.TemporaryDirectory(prefix="mxmla_first_step_") as cache:
@@ -384,9 +410,10 @@ def first_steps(shape, path, backend, smoke) -> dict:
             cmd.append("--smoke")
         if backend:
             cmd += ["--backend", backend]
-        for key in ("fresh", "second"):
+        for key in ("fresh", "second") + (("profiled",) if cprofile else ()):
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            run = cmd + (["--first-cprofile", str(cprofile)] if key == "profiled" else [])
+            proc = subprocess.run(run, env=env, capture_output=True, text=True, timeout=900)
             wall = time.perf_counter() - t0
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("FIRST_STEP ")]
             if proc.returncode or not line:
@@ -404,14 +431,14 @@ def first_steps(shape, path, backend, smoke) -> dict:
 def measure_first_steps(rec: benchlib.Recorder, args) -> None:
     for b, s in args.shape_list:
         for path in args.paths:
-            fs = first_steps((b, s), path, args.backend, args.smoke)
+            fs = first_steps((b, s), path, args.backend, args.smoke, args.first_cprofile)
             rec.row(op="mla_block first step", shape=f"B{b} S{s}", impl=path, path=path, tokens=b * s,
                     first_step_fresh_s=fs.get("fresh"), first_step_second_s=fs.get("second"),
                     fresh_process_s=fs.get("fresh_process_s"), second_process_s=fs.get("second_process_s"))
-            for key in ("fresh_error", "second_error"):
+            for key in ("fresh_error", "second_error", "profiled_error"):
                 if fs.get(key):
                     rec.note(f"B{b} S{s} {path} first step ({key}): {fs[key]}")
-            for key in ("fresh", "second"):
+            for key in ("fresh", "second", "profiled"):
                 if fs.get(f"{key}_profile"):
                     rec.note(f"B{b} S{s} {path} first step, {key} process: where its seconds go")
                     for ln in fs[f"{key}_profile"]:

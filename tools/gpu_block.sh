@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The MXFP8 training path on one GPU in one call: the CUDA tests of the ops the block runs, then
 # bench_mla_q --mx (op level, in turns with cuBLAS) and bench_block (the block, in turns), a table last.
-#   tools/gpu_block.sh [phases...]   phases: test mla_q block first pretune host hf parallel (default: test mla_q block)
+#   tools/gpu_block.sh [phases...]   phases: test mla_q block first pretune record host hf parallel
+#   (default: test mla_q block)
 # Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, HOST_CAP, HF_CAP, PAR_CAP
 # (seconds each, SIGINT at the cap), HF_ARGS (default --train 200). hf needs the wheels in .whl_hf carried.
 set -uo pipefail
@@ -37,9 +38,10 @@ for phase in ${*:-test mla_q block}; do
     ;;
   first)
     timeout -s INT "${FIRST_CAP:-300}" python3 benchmarks/bench_block.py --quick --first-step --no-profile \
-      --steps 1 --rounds 1 ${FIRST_ARGS:-} --json "$OUT/first_$COMMIT.json" > "$OUT/first_$COMMIT.log" 2>&1
-    summary+=("first steps rc=$? $((SECONDS-start)) s")
-    tail -8 "$OUT/first_$COMMIT.log"
+      --steps 1 --rounds 1 ${FIRST_ARGS:-} --json "$OUT/first${FIRST_TAG:-}_$COMMIT.json" \
+      > "$OUT/first${FIRST_TAG:-}_$COMMIT.log" 2>&1
+    summary+=("first steps${FIRST_TAG:-} rc=$? $((SECONDS-start)) s")
+    tail -8 "$OUT/first${FIRST_TAG:-}_$COMMIT.log"
     ;;
   pretune)
     # record the autotuners' choices for the block's shapes (full autotuning), into the tree the later
@@ -49,6 +51,15 @@ for phase in ${*:-test mla_q block}; do
     summary+=("record_pretuned rc=$? $((SECONDS-start)) s")
     mkdir -p "$OUT/pretuned" && cp backends/triton/pretuned/*.json "$OUT/pretuned/" 2>/dev/null
     tail -20 "$OUT/pretune_$COMMIT.log"
+    ;;
+  record)
+    # the block's launches per workload, for compile_ahead (tiles from the shipped tables), into the tree
+    # the later phases run from and into $OUT (to commit)
+    timeout -s INT "${RECORD_CAP:-200}" python3 tools/record_pretuned.py --what compile ${RECORD_ARGS:-} \
+      > "$OUT/record_$COMMIT.log" 2>&1
+    summary+=("record compile lists rc=$? $((SECONDS-start)) s")
+    mkdir -p "$OUT/pretuned" && cp backends/triton/pretuned/*.compile.json "$OUT/pretuned/" 2>/dev/null
+    tail -8 "$OUT/record_$COMMIT.log"
     ;;
   host)
     # where the MXFP8 forward's host time goes: each op's issue cost, then cProfile of one block forward

@@ -12,6 +12,7 @@ import triton
 from spec.mxtensor import MXTensor
 
 from .. import settings
+from . import compile_ahead
 
 
 _DEVICE_FACTS: dict = {}
@@ -156,14 +157,11 @@ def _arg_key(v):
     return v
 
 
-def _resolve_launch(kernel, grid, compiled, args, kwargs):
-    """(compiled kernel, meta, sources) reproducing the launch just made, or None when it cannot be
-    reproduced. meta: the launch's non-tensor values, for the grid function. sources: per kernel
-    parameter, (0, i) = positional argument i, (1, name) = keyword argument, (2, value) = a value the
-    launch resolved (config, heuristics, default)."""
-    compiled_type, autotuner_type, heuristics_type, jit_type = _jit_types()
-    if not isinstance(compiled, compiled_type):
-        return None
+def _resolved_values(kernel, args, kwargs):
+    """(JIT function, merged) for a launch just made through Triton: merged holds every parameter's
+    value and the launch options as the launch resolved them (autotuner config, heuristics, defaults);
+    None when a layer is neither an Autotuner with a config without pre-hook nor Heuristics."""
+    _, autotuner_type, heuristics_type, jit_type = _jit_types()
     layers, obj = [], kernel
     while not isinstance(obj, jit_type):
         if not isinstance(obj, (autotuner_type, heuristics_type)):
@@ -187,6 +185,21 @@ def _resolve_launch(kernel, grid, compiled, args, kwargs):
             if param.default is inspect.Parameter.empty:
                 return None
             merged[name] = param.default
+    return obj, merged
+
+
+def _resolve_launch(kernel, grid, compiled, args, kwargs):
+    """(compiled kernel, meta, sources) reproducing the launch just made, or None when it cannot be
+    reproduced. meta: the launch's non-tensor values, for the grid function. sources: per kernel
+    parameter, (0, i) = positional argument i, (1, name) = keyword argument, (2, value) = a value the
+    launch resolved (config, heuristics, default)."""
+    if not isinstance(compiled, _jit_types()[0]):
+        return None
+    values = _resolved_values(kernel, args, kwargs)
+    if values is None:
+        return None
+    obj, merged = values
+    names = list(obj.arg_names)
     src = getattr(compiled, "src", None)
     constants = getattr(src, "constants", None)
     if not isinstance(constants, dict):
@@ -247,11 +260,14 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
         compiled[_grid3(grid(meta) if callable(grid) else grid)](
             *[args[v] if s == 0 else kwargs[v] if s == 1 else v for s, v in sources])
         return
+    compile_ahead.before_compile(kernel, args, kwargs)  # waits for, or starts, compilations ahead
     compiled = kernel[grid](*args, **kwargs)
     if len(_FAST_LAUNCHES) < _FAST_LIMIT:
         # a launch that cannot be reproduced is remembered too: its next calls skip the resolution
         resolved = _resolve_launch(kernel, grid, compiled, args, kwargs)
         _FAST_LAUNCHES[key] = _NOT_KEPT if resolved is None else resolved
+        if resolved is not None and compile_ahead.is_recording():
+            compile_ahead.note(kernel, args, kwargs, *_resolved_values(kernel, args, kwargs))
 
 
 def clear_fast_launches() -> None:
@@ -313,12 +329,14 @@ def launch_gated(kernel, grid, flag: torch.Tensor, *args, **kwargs) -> None:
 
 def wait_background_compiles() -> None:
     """Return once every background compilation launch_gated started is done (a warm-up that must leave
-    nothing compiling behind it, e.g. before timing). A failed one raises at its next launch."""
+    nothing compiling behind it, e.g. before timing), and every compilation compile_ahead started. A
+    failed one raises at its next launch."""
     for future in list(_GATED_STATE.values()):
         try:
             future.result()
         except Exception:  # noqa: BLE001 - re-raised by launch_gated at the kernel's next call
             pass
+    compile_ahead.wait()
 
 
 # Triton's interpreter runs a launch with the grid index and the patched triton.language in module

@@ -100,7 +100,7 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
-from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, interpret_mode,
+from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, fast_launch, interpret_mode,
                       launch_gated, triton_reasons)
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
@@ -916,7 +916,8 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     grid = (cdiv(rows, block_r), cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
     dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)
-    launch = functools.partial(launch_gated, _grad_prep_kernel, grid, flag) if gated else _grad_prep_kernel[grid]
+    launch = (functools.partial(launch_gated, _grad_prep_kernel, grid, flag) if gated
+              else functools.partial(fast_launch, _grad_prep_kernel, grid))
     launch(
         src2d, cos, sin,
         g if g is not None else dummy16,

@@ -1,0 +1,175 @@
+"""compile_ahead: a recorded workload's kernels handed to background compilation at the first launch
+that matches one of its calls, a launch waiting for its own pending compilation, and the recording
+fast_launch feeds. On the CPU, Triton's compile is a recorder (the fast_launch tests' toy kernel) and
+the compile of an entry is a stand-in JIT function whose warmup records its arguments; the GPU run of
+the recorded DeepSeek-V3 lists is in BENCHMARKS.md (first step)."""
+import json
+import time
+
+import pytest
+import torch
+
+from backends.triton import _common, compile_ahead, pretuned
+from tests.test_fast_launch import _launch, toy  # noqa: F401 (fixture)
+
+
+class _FakeJit:
+    """A JIT function stand-in: arg_names, and warmup recording (stand-ins, options)."""
+
+    def __init__(self, names, log, delay=0.0):
+        self.arg_names = names
+        self.log, self.delay = log, delay
+
+    def warmup(self, *args, grid, **options):
+        time.sleep(self.delay)
+        self.log.append((args, options))
+
+
+def _entry(call, fn="pkg.mod._k", args=(["tensor", "bfloat16", True], ["int", 4096], ["bool", True]),
+           options=None):
+    return {"call": call, "compile": {"fn": fn, "args": [list(a) for a in args],
+                                      "options": options or {"num_warps": 4}}}
+
+
+@pytest.fixture
+def gpu_lists(tmp_path, monkeypatch):
+    """A fake CUDA device named 'Fake GPU' whose compile list lives in tmp_path; yields (write, log,
+    jits): write(workloads) stores the list, jits maps fn names to _FakeJit."""
+    log, jits = [], {}
+    monkeypatch.setattr(pretuned, "DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(compile_ahead, "_jit_function", lambda name: jits[name])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MXMLA_TRITON_COMPILE_AHEAD", raising=False)
+    compile_ahead.reset()
+
+    def write(workloads):
+        path = tmp_path / ("fake_gpu" + compile_ahead.SUFFIX)
+        path.write_text(json.dumps({"device": "Fake GPU", "workloads": workloads}))
+        compile_ahead.reset()
+
+    yield write, log, jits
+    compile_ahead.reset()
+
+
+def test_encoding_round_trip_and_refusals():
+    x = torch.zeros(8, dtype=torch.bfloat16)
+    assert compile_ahead._encode(x) == ["tensor", "bfloat16", True]
+    assert compile_ahead._encode(x[1:])[2] is False  # 2-byte offset: not 16-byte aligned
+    for v in (7, 1.5, True, "s", None):
+        assert compile_ahead._decode(compile_ahead._encode(v)) == v
+        assert type(compile_ahead._decode(compile_ahead._encode(v))) is type(v)
+    assert compile_ahead._decode(["tensor", "float8_e4m3fn", True]) is torch.float8_e4m3fn
+    assert compile_ahead._decode(["float", 2]) == 2.0 and type(compile_ahead._decode(["float", 2])) is float
+    for bad in (["int", True], ["int", "3"], ["bool", 1], ["tensor", "bfloat16", False], ["list", []]):
+        with pytest.raises(compile_ahead._Unencodable):
+            compile_ahead._decode(bad)
+    with pytest.raises(compile_ahead._Unencodable):
+        compile_ahead._encode(object())
+    # True and 1 are different calls (a bool and an int argument specialize differently)
+    assert compile_ahead.call_signature(object(), (True,), {}) != compile_ahead.call_signature(object(), (1,), {})
+    assert compile_ahead.call_signature(object(), (object(),), {}) is None
+
+
+def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
+    kernel, log = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    with compile_ahead.recording() as launches:
+        _launch(kernel, x, y, 1000)
+        _launch(kernel, x, y, 1000)  # a kept launch: not seen again
+        with pytest.raises(RuntimeError, match="already active"):
+            with compile_ahead.recording():
+                pass
+    assert not compile_ahead.is_recording()
+    assert len(launches) == 1
+    (entry,) = launches.values()
+    assert entry["call"] == compile_ahead.call_signature(kernel, (x, y, 1000), {"scale": 0.5, "enable_fp_fusion": False})
+    spec = entry["compile"]
+    assert spec["fn"].endswith("._toy")
+    # every parameter in order: tensors by dtype, n, scale, the config's BLOCK, the heuristic's MASKED,
+    # the default MODE; the options from the config and the launch
+    assert spec["args"] == [["tensor", "float32", True], ["tensor", "float32", True], ["int", 1000],
+                            ["float", 0.5], ["int", 128], ["bool", True], ["int", 3]]
+    assert spec["options"]["num_warps"] == 4 and spec["options"]["enable_fp_fusion"] is False
+    _launch(kernel, x, y, 1024)  # outside recording(): nothing noted
+    assert len(launches) == 1
+
+
+def test_first_matching_launch_compiles_the_rest_ahead(gpu_lists, monkeypatch):
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    write({"w1": [_entry("a"), _entry("b", args=(["tensor", "float8_e4m3fn", True], ["int", 1], ["bool", False])),
+                  _entry("c", options={"num_warps": 8, "maxnreg": 128})],
+           "w2": [_entry("d")]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])  # calls by name
+    compile_ahead.before_compile(None, ("zzz",), {})  # matches nothing: nothing starts
+    compile_ahead.wait()
+    assert log == []
+    compile_ahead.before_compile(None, ("a",), {})
+    compile_ahead.wait()
+    # b and c compiled ahead (a is the launching call's own), with the stand-ins warmup takes
+    assert sorted(log, key=lambda r: r[1].get("num_warps")) == [
+        ((torch.float8_e4m3fn, 1, False), {"num_warps": 4}),
+        ((torch.bfloat16, 4096, True), {"num_warps": 8, "maxnreg": 128}),
+    ]
+    compile_ahead.before_compile(None, ("c",), {})  # w1 started already: nothing again
+    compile_ahead.wait()
+    assert len(log) == 2
+
+
+
+def test_launch_waits_for_its_pending_compile(gpu_lists, monkeypatch):
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log, delay=0.3)
+    write({"w": [_entry("a"), _entry("b")]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    compile_ahead.before_compile(None, ("a",), {})
+    t0 = time.perf_counter()
+    compile_ahead.before_compile(None, ("b",), {})  # b compiles in the background: wait for it
+    assert time.perf_counter() - t0 >= 0.25 and len(log) == 1
+
+
+def test_stale_or_failing_entries_are_dropped(gpu_lists, monkeypatch):
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n"], log)  # the kernel lost a parameter since the recording
+    jits["pkg.mod._ok"] = _FakeJit(["x", "n", "FLAG"], log)
+    write({"w": [_entry("a"), _entry("b"), _entry("c", fn="pkg.mod._ok"),
+                 _entry("d", fn="pkg.mod._ok", args=(["tensor", "bfloat16", False], ["int", 1], ["bool", True]))]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    compile_ahead.before_compile(None, ("a",), {})
+    compile_ahead.wait()  # b (stale) and d (a misaligned pointer) fail in the background, quietly
+    assert log == [((torch.bfloat16, 4096, True), {"num_warps": 4})]
+    compile_ahead.before_compile(None, ("b",), {})  # its failed compile: the launch goes on
+
+
+def test_switch_and_missing_or_unreadable_lists(gpu_lists, monkeypatch, tmp_path):
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    compile_ahead.before_compile(None, ("a",), {})  # no list for this device
+    write({"w": [_entry("a"), _entry("b")]})
+    monkeypatch.setenv("MXMLA_TRITON_COMPILE_AHEAD", "0")
+    compile_ahead.before_compile(None, ("a",), {})
+    monkeypatch.setenv("MXMLA_TRITON_COMPILE_AHEAD", "yes")
+    with pytest.raises(ValueError, match="MXMLA_TRITON_COMPILE_AHEAD"):
+        compile_ahead.before_compile(None, ("a",), {})
+    monkeypatch.delenv("MXMLA_TRITON_COMPILE_AHEAD")
+    (tmp_path / ("fake_gpu" + compile_ahead.SUFFIX)).write_text("{not json")
+    compile_ahead.reset()
+    compile_ahead.before_compile(None, ("a",), {})
+    compile_ahead.wait()
+    assert log == []
+
+
+def test_fast_launch_consults_it_before_compiling(toy, monkeypatch):  # noqa: F811
+    kernel, log = toy
+    seen = []
+    monkeypatch.setattr(compile_ahead, "before_compile", lambda k, a, kw: seen.append(a[2]))
+    x, y = torch.zeros(64), torch.zeros(64)
+    _launch(kernel, x, y, 1000)
+    _launch(kernel, x, y, 1000)  # kept: compiled already, not asked again
+    _launch(kernel, x, y, 2000)
+    assert seen == [1000, 2000]
