@@ -327,6 +327,13 @@ def cprofile_lines(prof, top: int):
     return out
 
 
+def _autotuned_name(tuner) -> str:
+    fn = tuner.fn
+    while not hasattr(fn, "arg_names") and hasattr(fn, "fn"):  # heuristics between autotuner and kernel
+        fn = fn.fn
+    return getattr(fn, "__name__", "?")
+
+
 class FirstCallCosts:
     """Where a first step's seconds go: each dispatched op's first call (synchronized, wall), and inside
     them Triton's compilations and autotuning runs by kernel (JITFunction._do_compile and
@@ -359,7 +366,7 @@ class FirstCallCosts:
         try:
             from triton.runtime import autotuner, jit
             self._wrap(jit.JITFunction, "_do_compile", self.compiles, lambda f: getattr(f, "__name__", "?"))
-            self._wrap(autotuner.Autotuner, "_bench", self.benches, lambda a: getattr(a.fn, "__name__", "?"))
+            self._wrap(autotuner.Autotuner, "_bench", self.benches, _autotuned_name)
         except ImportError:
             pass
         real_run = dispatch.run

@@ -42,6 +42,7 @@ def gpu_lists(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(compile_ahead, "_jit_function", lambda name: jits[name])
+    monkeypatch.setattr(compile_ahead, "_triton_key", lambda: None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MXMLA_TRITON_COMPILE_AHEAD", raising=False)
     compile_ahead.reset()
@@ -101,23 +102,27 @@ def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
 def test_first_matching_launch_compiles_the_rest_ahead(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
-    write({"w1": [_entry("a"), _entry("b", args=(["tensor", "float8_e4m3fn", True], ["int", 1], ["bool", False])),
+    write({"w1": [_entry("s"), _entry("a"),
+                  _entry("b", args=(["tensor", "float8_e4m3fn", True], ["int", 1], ["bool", False])),
                   _entry("c", options={"num_warps": 8, "maxnreg": 128})],
-           "w2": [_entry("d")]})
+           "w2": [_entry("s"), _entry("d")]})
     monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])  # calls by name
     compile_ahead.before_compile(None, ("zzz",), {})  # matches nothing: nothing starts
+    compile_ahead.before_compile(None, ("s",), {})  # both workloads make it: neither starts
     compile_ahead.wait()
     assert log == []
     compile_ahead.before_compile(None, ("a",), {})
     compile_ahead.wait()
-    # b and c compiled ahead (a is the launching call's own), with the stand-ins warmup takes
-    assert sorted(log, key=lambda r: r[1].get("num_warps")) == [
+    # s, b and c compiled ahead (a is the launching call's own), with the stand-ins warmup takes
+    assert sorted(log, key=repr) == sorted([
+        ((torch.bfloat16, 4096, True), {"num_warps": 4}),
         ((torch.float8_e4m3fn, 1, False), {"num_warps": 4}),
         ((torch.bfloat16, 4096, True), {"num_warps": 8, "maxnreg": 128}),
-    ]
+    ], key=repr)
+    assert len(log) == 3
     compile_ahead.before_compile(None, ("c",), {})  # w1 started already: nothing again
     compile_ahead.wait()
-    assert len(log) == 2
+    assert len(log) == 3
 
 
 

@@ -3,7 +3,9 @@
 # on PYTHONPATH.
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# Bytecode caches are written as Python does by default: without them every process compiles the
+# sources of what it imports again (sympy, imported by autograd's first backward: seconds of a first step)
+export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site

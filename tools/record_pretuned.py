@@ -9,7 +9,8 @@ backends/triton/pretuned/<device>.json (backends/triton/pretuned.py) and <device
 Runs forward + backward of examples/mla_block.py's block on the mxfp8 and bf16 paths at each shape
 (every autotuned kernel of those paths meets its DeepSeek-V3 keys), each under
 compile_ahead.recording() as its own workload, then writes every registered autotuner's cache and the
-workloads' launches. Run it with MXMLA_TRITON_PRETUNED=0 so that every choice is timed here.
+workloads' launches. Run it with MXMLA_TRITON_PRETUNED=0 so that every choice is timed here; with the
+tables on (the default), the recorded choices are kept and only keys they lack are timed and added.
 """
 import argparse
 import json

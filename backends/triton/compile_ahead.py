@@ -6,14 +6,15 @@ independent, and most of each runs outside the GIL (MLIR passes, LLVM, ptxas), s
 they take little more than the longest one -- once the kernels are known before they are launched.
 
 They are known from a recording. `tools/record_pretuned.py` runs each workload (the DeepSeek-V3 block
-at a shape) under `recording(name)`, which notes every launch `_common.fast_launch` resolved: how it
-was called (the launched object, keyword names, argument values, a tensor by its dtype and 16-byte
-alignment) and what it compiled (the JIT function, every parameter's value after autotuner config,
-heuristics and defaults, and the compile options). The lists ship as pretuned/<device slug>.compile.json
-beside the autotuning table. In a later process on that GPU model, the first launch that matches a
-recorded call hands the rest of its workload to background threads, each compiled with Triton's
-`warmup` (compiled and loaded, nothing launched) for the launching thread's device; a launch whose
-kernel is still compiling there waits for that compilation instead of doing it twice.
+on one path at one shape) under `recording()`, which notes every launch `_common.fast_launch`
+resolved: how it was called (the launched object, keyword names, argument values, a tensor by its
+dtype and 16-byte alignment) and what it compiled (the JIT function, every parameter's value after
+autotuner config, heuristics and defaults, and the compile options). The lists ship as
+pretuned/<device slug>.compile.json beside the autotuning table. In a later process on that GPU model,
+the first launch matching a call that one workload alone makes hands the rest of that workload to
+background threads, each compiled with Triton's `warmup` (compiled and loaded, nothing launched) for
+the launching thread's device; a launch whose kernel is still compiling there waits for that
+compilation instead of doing it twice.
 
 A list only says what to compile: a launch that matches nothing compiles as it always did, a recorded
 entry that no longer fits its kernel (another signature) is skipped, a failed background compilation
@@ -229,16 +230,33 @@ def before_compile(kernel, args, kwargs) -> None:
     lists = _device_lists(torch.cuda.get_device_name(index))
     if lists is None:
         return
-    for workload in lists["index"].get(call, ()):
-        with _lock:
-            if (index, workload) in _started:
-                continue
-            _started.add((index, workload))
-        for entry in lists["workloads"][workload]:
-            key = (index, entry["call"])
-            if entry["call"] == call or key in _pending:
-                continue
-            _pending[key] = _pool().submit(_compile, index, entry["compile"])
+    workloads = lists["index"].get(call, ())
+    if len(workloads) != 1:  # a call several workloads make (the bf16 and MXFP8 blocks' k RoPE) opens none
+        return
+    with _lock:
+        if (index, workloads[0]) in _started:
+            return
+        _started.add((index, workloads[0]))
+    _triton_key()
+    for entry in lists["workloads"][workloads[0]]:
+        key = (index, entry["call"])
+        if entry["call"] == call or key in _pending:
+            continue
+        _pending[key] = _pool().submit(_compile, index, entry["compile"])
+
+
+def _triton_key() -> None:
+    """Triton's compiler fingerprint (a hash of its sources and its 500 MB library, kept per process),
+    computed once here: every thread's first compile or cache lookup needs it, and threads that start
+    without it each compute it."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:  # another Triton layout: each thread computes its own
+            return
+    triton_key()
 
 
 def wait() -> None:
