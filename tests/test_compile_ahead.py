@@ -75,6 +75,32 @@ def test_encoding_round_trip_and_refusals():
     assert compile_ahead.call_signature(object(), (object(),), {}) is None
 
 
+def test_descriptor_encoding_and_stand_in():
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    base = torch.zeros(256, 192, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    desc = gluon.TensorDescriptor(base, [256, 192], [192, 1], [64, 64], layout)
+    item = compile_ahead._encode(desc)
+    assert item[:7] == ["descriptor", f"{type(desc).__module__}.{type(desc).__qualname__}", "bfloat16", True,
+                        [256, 192], [192, 1], [64, 64]]
+    json.dumps(item)  # storable
+    made = compile_ahead._decode(json.loads(json.dumps(item)), device="cpu")
+    # what a kernel specializes on is kept; the base is a block-shaped stand-in
+    assert type(made) is type(desc) and made.base.dtype == torch.bfloat16
+    assert list(made.block_shape) == [64, 64] and repr(made.layout) == repr(layout)
+    assert list(made.base.shape) == [64, 64]
+    stale = json.loads(json.dumps(item))
+    stale[7][2] = "NVMMASharedLayout(other)"  # a layout that rebuilds differently: refused
+    with pytest.raises(compile_ahead._Unencodable):
+        compile_ahead._decode(stale, device="cpu")
+    misaligned = json.loads(json.dumps(item))
+    misaligned[3] = False  # a base off 16 bytes: the stand-in (aligned) would specialize otherwise
+    with pytest.raises(compile_ahead._Unencodable):
+        compile_ahead._decode(misaligned, device="cpu")
+
+
 def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
     kernel, log = toy
     x, y = torch.zeros(64), torch.zeros(64)

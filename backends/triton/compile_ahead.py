@@ -19,8 +19,9 @@ compilation instead of doing it twice.
 A list only says what to compile: a launch that matches nothing compiles as it always did, a recorded
 entry that no longer fits its kernel (another signature) is skipped, a failed background compilation
 is dropped (the launch compiles for itself and raises there), and a compilation never changes what a
-kernel computes. Launches taking TMA descriptors (the Gluon kernels) are not recorded: compiling one
-ahead would need a descriptor over a real tensor. MXMLA_TRITON_COMPILE_AHEAD=0 turns it off.
+kernel computes. A TMA descriptor argument (the Gluon kernels') is compiled ahead with a stand-in over a
+block-shaped tensor: a kernel specializes on its type, dtype, block shape and layout, not on its
+extent. MXMLA_TRITON_COMPILE_AHEAD=0 turns it off.
 
 File format: {"device", "triton", "torch", "workloads": {name: [{"call": ..., "compile": ...}, ...]}}
 with "call" the launch's match string (see `call_signature`) and "compile" {"fn": module.name of the
@@ -29,6 +30,7 @@ JIT function, "args": its parameters' encoded values in order, "options": compil
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import os
@@ -54,18 +56,68 @@ class _Unencodable(Exception):
     pass
 
 
+def _qualified(obj_type) -> str:
+    return f"{obj_type.__module__}.{obj_type.__qualname__}"
+
+
+def _layout(layout):
+    """A descriptor's shared-memory layout (a Gluon layout dataclass) as [class, fields], or None."""
+    if layout is None:
+        return None
+    if not dataclasses.is_dataclass(layout):
+        raise _Unencodable(f"layout {type(layout).__name__}")
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.init}
+    try:
+        json.dumps(fields)
+    except TypeError:
+        raise _Unencodable(f"layout {layout!r}") from None
+    return [_qualified(type(layout)), fields, repr(layout)]
+
+
 def _encode(v):
-    """A launch value as JSON: a tensor by dtype and 16-byte alignment, a plain value with its type."""
+    """A launch value as JSON: a tensor by dtype and 16-byte alignment, a TMA descriptor by its type,
+    base dtype and alignment, shape, strides, block shape and layout, a plain value with its type."""
     if isinstance(v, torch.Tensor):
         return ["tensor", str(v.dtype).replace("torch.", ""), v.data_ptr() % 16 == 0]
     if v is None or type(v) in (bool, int, float, str):
         return [type(v).__name__, v]
+    if type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), torch.Tensor):
+        extra = {k: getattr(v, k) for k in ("padding", "round_f32_to_tf32") if hasattr(v, k)}
+        if any(x is not None and type(x) not in (bool, int, float, str) for x in extra.values()):
+            raise _Unencodable("descriptor options")
+        return ["descriptor", _qualified(type(v)), str(v.base.dtype).replace("torch.", ""),
+                v.base.data_ptr() % 16 == 0, list(v.shape), list(v.strides), list(v.block_shape),
+                _layout(getattr(v, "layout", None)), extra]
     raise _Unencodable(type(v).__name__)
 
 
-def _decode(item):
-    """The stand-in Triton's warmup takes for an encoded value (a tensor: its dtype)."""
+def _class(qualified: str):
+    module, _, name = qualified.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _descriptor(item, device):
+    """A stand-in descriptor for warmup: what the kernel's specialization reads (type, dtype, block
+    shape, layout) over a block-shaped tensor on `device` (nothing is launched)."""
+    _, cls, dtype, aligned, _, _, block, layout, extra = item
+    if not aligned:
+        raise _Unencodable("a misaligned descriptor base")
+    base = torch.empty(block, dtype=getattr(torch, dtype), device=device)
+    kwargs = dict(extra)
+    if layout is not None:
+        made = _class(layout[0])(**layout[1])
+        if repr(made) != layout[2]:  # rebuilt differently: its specialization would not match
+            raise _Unencodable(f"layout {layout[2]}")
+        kwargs["layout"] = made
+    return _class(cls)(base, list(base.shape), list(base.stride()), list(block), **kwargs)
+
+
+def _decode(item, device="cuda"):
+    """The stand-in Triton's warmup takes for an encoded value (a tensor: its dtype; a descriptor: one
+    over a block-shaped tensor on `device`)."""
     kind, value = item[0], item[1]
+    if kind == "descriptor":
+        return _descriptor(item, device)
     if kind == "tensor":
         if not item[2]:
             raise _Unencodable("a misaligned pointer")  # warmup's stand-in is always aligned
@@ -194,8 +246,7 @@ def _pool():
 
 
 def _jit_function(qualified: str):
-    module, _, name = qualified.rpartition(".")
-    fn = getattr(importlib.import_module(module), name)
+    fn = _class(qualified)
     while not hasattr(fn, "arg_names") and hasattr(fn, "fn"):
         fn = fn.fn
     return fn
@@ -205,8 +256,8 @@ def _compile(index: int, spec: dict) -> None:
     fn = _jit_function(spec["fn"])
     if len(fn.arg_names) != len(spec["args"]):
         raise _Unencodable("the recorded entry no longer fits its kernel")
-    stand_ins = [_decode(a) for a in spec["args"]]
     torch.cuda.set_device(index)  # Triton compiles for the thread's current device
+    stand_ins = [_decode(a) for a in spec["args"]]
     fn.warmup(*stand_ins, grid=(1,), **spec["options"])
 
 
