@@ -45,6 +45,24 @@ def sm_count(device) -> int:
     return _device_fact(torch.cuda.get_device_properties, _multiprocessors, device)
 
 
+_PLACEHOLDERS: dict = {}  # (dtype, device) -> a one-element zero tensor
+
+
+def placeholder(dtype: torch.dtype, device) -> torch.Tensor:
+    """A one-element zero tensor for a pointer argument the launch never dereferences (its constexpr
+    switch is off), kept per dtype and device: a fresh one per launch costs an allocation and a fill
+    kernel. Only for pointers that are neither written nor read as data. Not kept while a CUDA graph
+    is captured (memory allocated then belongs to the graph's pool)."""
+    device = device if isinstance(device, torch.device) else torch.device(device)
+    key = (dtype, device)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = torch.zeros(1, dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _PLACEHOLDERS[key] = t
+    return t
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids on the host: triton.cdiv is a constexpr function in newer Triton
     releases, whose call costs several microseconds, and grids are computed on every launch."""

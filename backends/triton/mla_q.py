@@ -101,7 +101,7 @@ from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant, variants
 from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, fast_launch, interpret_mode,
-                      launch_gated, triton_reasons)
+                      launch_gated, placeholder, triton_reasons)
 from ._fpbits import round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
@@ -727,7 +727,7 @@ def _launch_triton(x, w, cos, sin, outputs, config, variant, epilogue, gate=None
         xs, sxr, sxc, x_groups, x_swz = _scale_args(x)
         ws, swr, swc, w_groups, w_swz = _scale_args(w)
     else:
-        dummy = torch.zeros(1, dtype=torch.uint8, device=device)
+        dummy = placeholder(torch.uint8, device)  # scale pointers of a bf16 projection: never read
         xs, sxr, sxc, x_groups, x_swz = dummy, 0, 0, 0, False
         ws, swr, swc, w_groups, w_swz = dummy, 0, 0, 0, False
     outs = (row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8), col_scale)
@@ -891,7 +891,9 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     scales, colT codes, colT scales) to write)."""
     rows, cols = src2d.shape
     device = src2d.device
-    dummy8 = torch.zeros(1, dtype=torch.uint8, device=device)
+    # the slots of outputs switched off (never written; the flag is written only with row_dq / col_dq,
+    # which pass their own)
+    dummy8 = placeholder(torch.uint8, device)
     g = _empty((rows, cols), torch.bfloat16, device) if write_bf16 else None
     if buffers is not None:
         row_codes, row_scale, colt_codes, colt_scale = buffers
@@ -915,7 +917,7 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
         block_r = 64
     grid = (cdiv(rows, block_r), cdiv(cols, 64))
     u8 = lambda t: t.view(torch.uint8) if t is not None else dummy8  # noqa: E731
-    dummy16 = torch.zeros(1, dtype=torch.bfloat16, device=device)
+    dummy16 = placeholder(torch.bfloat16, device)
     launch = (functools.partial(launch_gated, _grad_prep_kernel, grid, flag) if gated
               else functools.partial(fast_launch, _grad_prep_kernel, grid))
     launch(

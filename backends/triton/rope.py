@@ -35,7 +35,7 @@ import triton.language as tl
 from spec.constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, triton_reasons
+from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, placeholder, triton_reasons
 from ._fpbits import round_f32_canonical_nan, widen_f32
 
 _TORCH_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -312,7 +312,7 @@ def _launch(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, 
     if out.numel() == 0:
         return out
 
-    dummy = torch.zeros(1, dtype=torch.int32, device=device)
+    dummy = placeholder(torch.int32, device)  # positions / cu_seqlens / start slots switched off
     sp_b = sp_s = 0
     if positions is not None:
         positions = positions.to(device)
