@@ -13,7 +13,9 @@ kv_lora 512, head dims 128 + 64 / 128), forward + backward, on every path a user
 A step is forward + backward of the block with its input already on the GPU (h [B*S, 7168] bf16 with
 requires_grad, a fixed random output gradient), the weights' gradients set to None before each step
 and every weight's version counter bumped after it (what an optimizer step does: a per-step weight
-cache must re-quantize). Per shape and path:
+cache must re-quantize); on the mxfp8 path the step ends with the re-quantization of the projection
+weight that `dispatch.weights.quantize_after_step` does after an optimizer step (timed in the step, in
+bwd ms; the next forward reuses the copies). Per shape and path:
 - step ms: median of CUDA-event step times, the paths taking turns (--rounds rounds of --steps steps
   each, after warm-up), so clock drift weighs on all paths alike; fwd / bwd ms likewise, from events
   around the forward; each step is synchronized, so a forward bound by its host issue time shows;
@@ -132,6 +134,7 @@ class Bench:
         self.cos, self.sin = mb.rope_tables(cfg, DEVICE)
         self.params = list(self.block.parameters())
         self.bump = getattr(torch.autograd.graph, "increment_version", None)
+        self.requantize = self.block.requantize_weights if block_path == "mxfp8" else None
 
     def step(self, events=None):
         for p in self.params:
@@ -143,11 +146,13 @@ class Bench:
         if events:
             events[1].record()
         out.backward(self.dout)
-        if events:
-            events[2].record()
         if self.bump is not None:  # an optimizer step would change every weight: per-step caches refresh
             for p in self.params:
                 self.bump(p)
+        if self.requantize is not None:  # the mxfp8 path's weight copies, made as quantize_after_step does
+            self.requantize()
+        if events:
+            events[2].record()
         return out
 
     def memory(self):

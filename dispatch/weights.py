@@ -30,6 +30,10 @@ Writes through `w.data` bypass the version counter (`w.data` is a new tensor wit
 is not a `torch.optim.Optimizer` copying main params into model params that way -- cannot be seen
 without reading the whole weight; call `invalidate(w)` (or `invalidate()` for all) after such writes.
 
+`quantize_after_step(optimizer, [w])` re-quantizes w right after every step of that optimizer (a
+step post-hook), so the next forward finds fresh copies: the quantization's host time then falls after
+the backward, while the GPU still runs it, instead of in the forward (`requantize(w)` does it once, now).
+
 Fresh tensors are allocated on every re-quantization (never written in place), so a copy saved by an
 autograd graph still in flight stays valid after the weight changes.
 
@@ -41,9 +45,11 @@ returned tensors carry a proxy that records no graph.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
-from typing import Optional, Tuple
+import weakref
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -51,10 +57,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch as _dispatch
+from dispatch.policy import parse_backend_list
 from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize
 from spec.mxtensor import MXTensor
 
-__all__ = ["MXFP8Weight", "quantized_weight", "invalidate", "cached_copy", "optimizer_generation"]
+__all__ = ["MXFP8Weight", "quantized_weight", "requantize", "quantize_after_step", "invalidate", "cached_copy",
+           "optimizer_generation"]
 
 _QUANT = dict(axis=(1, 0), elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
 
@@ -68,8 +76,14 @@ def optimizer_generation() -> int:
     return _generation[0]
 
 
+_after_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> {id: [(w, rows)], backend}
+
+
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     _generation[0] += 1
+    for weights, backend in list(_after_step.get(optimizer, {}).values()):
+        for w, rows in weights:
+            requantize(w, backend=backend, rows=rows)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
@@ -220,6 +234,62 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
     # the custom op for tensor subclasses (FakeTensor, ...), as dispatch.autograd's eager rule does
     plain = type(w) in (Tensor, torch.nn.Parameter)
     return entry.tracked(_EagerWeightProxy.apply(w, rows) if plain else _weight_proxy_op(w, rows))
+
+
+def requantize(w: Tensor, *, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> MXFP8Weight:
+    """Quantize w now into the cache (the entry a following `quantized_weight(w, backend=backend,
+    rows=rows)` reuses until w changes), and return the entry. For a training loop's optimizer step:
+    the quantization's host time then falls where the GPU is still busy with the backward, not in the
+    next forward (see quantize_after_step). A plain, non-DTensor weight only: the others are quantized
+    per call by quantized_weight."""
+    _check_weight(w)
+    if _is_dtensor(w) or torch.compiler.is_compiling():
+        raise TypeError("w: requantize caches plain tensors; a DTensor or traced weight is quantized per call")
+    entry = MXFP8Weight.quantize(w, backend, rows)
+    with _lock:
+        _cache[w] = entry
+    return entry
+
+
+_handles = itertools.count()
+
+
+class AfterStepHandle:
+    """What quantize_after_step returns: `remove()` stops the re-quantization."""
+
+    def __init__(self, optimizer, key: int):
+        self._optimizer, self._key = weakref.ref(optimizer), key
+
+    def remove(self) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            _after_step.get(optimizer, {}).pop(self._key, None)
+
+
+def quantize_after_step(optimizer: torch.optim.Optimizer, weights: Iterable[Union[Tensor, Tuple[Tensor, Tensor]]],
+                        *, backend: Optional[str] = None) -> AfterStepHandle:
+    """Re-quantize `weights` (each a weight [N, K], or a (weight, rows) pair as quantized_weight takes)
+    right after every `optimizer.step()`, so the next forward's quantized_weight finds fresh copies
+    instead of quantizing in the forward. The copies are the same bytes as those made on demand; the
+    weights stay referenced while the optimizer lives. Returns a handle (`remove()`)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    items = []
+    for i, item in enumerate(weights):
+        w, rows = item if isinstance(item, tuple) else (item, None)
+        _check_weight(w)
+        if _is_dtensor(w):
+            raise TypeError(f"weights[{i}]: a DTensor is quantized per call (its placement), not after the step")
+        if rows is not None:
+            _check_rows(rows, w.shape[0])
+        items.append((w, rows))
+    if not items:
+        raise ValueError("weights: expected at least one weight")
+    if backend is not None:
+        parse_backend_list(backend, "backend")  # a bad name raises here, not inside a later step
+    key = next(_handles)
+    _after_step.setdefault(optimizer, {})[key] = (items, backend)
+    return AfterStepHandle(optimizer, key)
 
 
 def invalidate(w: Optional[Tensor] = None) -> None:

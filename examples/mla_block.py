@@ -16,8 +16,9 @@ The block (DeepSeek-V3 MLA, no residual, no KV cache):
 
 Paths (--path):
 - mxfp8: RMSNorm(c_q) is `rmsnorm_mxfp8` (MXFP8 rowwise + columnwise), W_UQ is quantized from its bf16
-  copy rowwise and columnwise (straight-through) once per optimizer step (dispatch.weights), the Q
-  up-projection is the fused
+  copy rowwise and columnwise (straight-through) once per optimizer step, inside it
+  (dispatch.weights.quantize_after_step; the first forward quantizes on demand), the Q up-projection
+  is the fused
   `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
   MXFP8 along D (k_nope and the shared k_pe quantized, then joined by `cat_mx` with k_pe broadcast over
   the heads: the bytes of quantizing the bf16 k), v along S, and `mla_attention` takes MXFP8 q, k, v.
@@ -61,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dispatch  # noqa: E402
 import dispatch.autograd as mxag  # noqa: E402
-from dispatch.weights import quantized_weight  # noqa: E402
+from dispatch.weights import quantize_after_step, quantized_weight, requantize  # noqa: E402
 
 NOPE_DIM, ROPE_DIM, V_DIM = 128, 64, 128
 QK_DIM = NOPE_DIM + ROPE_DIM
@@ -157,6 +158,12 @@ class MLABlock(torch.nn.Module):
             std = (0.5 if name == "w_o" else 1.0) / math.sqrt(param.shape[1])
             param.copy_(torch.randn(param.shape, generator=gen) * std)
         return self
+
+    def requantize_weights(self) -> None:
+        """Make the mxfp8 path's weight copies now (after a weight update), so the next forward reuses
+        them; training loops register it with quantize_after_step instead (see train)."""
+        if self.path == "mxfp8":
+            requantize(self.w_uq, backend=self.backend)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, bf16 = self.cfg, torch.bfloat16
@@ -264,6 +271,8 @@ def train(cfg: Config, path: str, steps: int, device="cpu", seed: int = 0, quant
     cos, sin = rope_tables(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup)))
+    if path == "mxfp8":  # the projection weight's MXFP8 copies made in each optimizer step, not in the forward
+        quantize_after_step(opt, [model.w_uq], backend=backend)
     losses: List[float] = []
     floors: List[float] = []
     times: List[float] = []

@@ -320,3 +320,54 @@ def test_rows_quantize_the_reordered_weight_and_scatter_the_gradient_back(quanti
         mxw.quantized_weight(w, rows=torch.zeros(N, dtype=torch.int64))
     with pytest.raises(ValueError, match="rows: expected an int64"):
         mxw.quantized_weight(w, rows=torch.arange(N).float())
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantize_after_step_makes_the_next_forwards_copy(fused, quantize_calls):
+    """The copies are made inside optimizer.step() (one quantization per step), equal the on-demand
+    ones byte for byte, and the forward that follows quantizes nothing."""
+    gen = torch.Generator().manual_seed(11)
+    w, other = _weight(gen), _weight(gen)
+    opt = torch.optim.AdamW([w, other], lr=1e-2, fused=fused if fused else None)
+    handle = mxw.quantize_after_step(opt, [w])
+    mxw.quantized_weight(w)
+    for step in range(2):
+        quantize_calls.clear()
+        w.grad = torch.randn(w.shape, generator=gen)
+        opt.step()
+        assert len(quantize_calls) == 1  # in the step hook: w only, not the other parameter
+        entry = mxw.cached_copy(w)
+        assert entry is not None
+        row, col = mxw.quantized_weight(w)
+        assert len(quantize_calls) == 1  # the forward reuses the step's copy
+        want_row, want_col = _uncached(w)
+        assert_bytes_equal(row.data, want_row.data, f"w_row codes after step {step}")
+        assert_bytes_equal(col.scale, want_col.scale, f"w_col scales after step {step}")
+    handle.remove()
+    quantize_calls.clear()
+    w.grad = torch.randn(w.shape, generator=gen)
+    opt.step()
+    assert not quantize_calls and mxw.cached_copy(w) is None  # removed: stale until the next forward
+
+
+def test_quantize_after_step_rows_and_bad_arguments():
+    gen = torch.Generator().manual_seed(12)
+    w = _weight(gen)
+    rows = torch.randperm(N, generator=gen)
+    opt = torch.optim.SGD([w], lr=0.1)
+    mxw.quantize_after_step(opt, [(w, rows)])
+    w.grad = torch.randn(w.shape, generator=gen)
+    opt.step()
+    assert mxw.cached_copy(w, rows=rows) is not None and mxw.cached_copy(w) is None
+    with pytest.raises(TypeError, match="optimizer"):
+        mxw.quantize_after_step(object(), [w])
+    with pytest.raises(ValueError, match="at least one"):
+        mxw.quantize_after_step(opt, [])
+    with pytest.raises(ValueError, match="w: expected a 2-D"):
+        mxw.quantize_after_step(opt, [torch.zeros(N)])
+    with pytest.raises(ValueError, match="rows"):
+        mxw.quantize_after_step(opt, [(w, rows[:-1])])
+    with pytest.raises(Exception, match="backend"):
+        mxw.quantize_after_step(opt, [w], backend="no_such_backend")
+    entry = mxw.requantize(w)
+    assert mxw.cached_copy(w) is entry
