@@ -75,6 +75,12 @@ def test_shipped_tables_parse():
     for fname in os.listdir(pretuned.DIR) if os.path.isdir(pretuned.DIR) else ():
         with open(os.path.join(pretuned.DIR, fname)) as f:
             data = json.load(f)
+        if fname.endswith(".compile.json"):  # compile_ahead's lists: workload -> [{call, compile}]
+            assert pretuned.device_slug(data["device"]) + ".compile.json" == fname
+            for entries in data["workloads"].values():
+                assert all(set(e) == {"call", "compile"} and set(e["compile"]) == {"fn", "args", "options"}
+                           for e in entries)
+            continue
         assert set(data) >= {"device", "kernels"}
         assert pretuned.device_slug(data["device"]) + ".json" == fname
         for rows in data["kernels"].values():
