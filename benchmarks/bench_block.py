@@ -333,10 +333,9 @@ def cprofile_lines(prof, top: int):
 
 
 def _autotuned_name(tuner) -> str:
-    fn = tuner.fn
-    while not hasattr(fn, "arg_names") and hasattr(fn, "fn"):  # heuristics between autotuner and kernel
-        fn = fn.fn
-    return getattr(fn, "__name__", "?")
+    from backends.triton.pretuned import _base_function
+
+    return getattr(_base_function(tuner), "__name__", "?")
 
 
 class FirstCallCosts:

@@ -76,7 +76,8 @@ def optimizer_generation() -> int:
     return _generation[0]
 
 
-_after_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> {id: [(w, rows)], backend}
+# optimizer -> {handle key: ([(w, rows), ...], backend)}: quantize_after_step's registrations
+_after_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:

@@ -46,7 +46,7 @@ SUFFIX = ".compile.json"
 
 _lock = threading.Lock()
 _recording: Optional[Dict[str, dict]] = None  # call -> entry, while recording() is entered
-_lists: Dict[str, Optional[dict]] = {}         # device name -> {call: [workload, ...], "": workloads}
+_lists: Dict[str, Optional[dict]] = {}         # device name -> {"index": call -> [workload], "workloads"}
 _pending: Dict[tuple, object] = {}             # (device index, call) -> Future of its compilation
 _started: set = set()                          # (device index, workload) handed to the threads
 _POOL = None
@@ -132,17 +132,19 @@ def _decode(item, device="cuda"):
 
 
 def _layers(kernel) -> List[str]:
-    """The launched object's wrapper kinds down to its JIT function's qualified name."""
+    """The launched object's wrapper kinds (Autotuner, Heuristics) down to its JIT function's
+    qualified name."""
+    base = pretuned._base_function(kernel)
     out = []
-    while hasattr(kernel, "fn") and not hasattr(kernel, "arg_names"):
+    while kernel is not base:
         out.append(type(kernel).__name__)
         kernel = kernel.fn
-    out.append(f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}")
+    out.append(f"{getattr(base, '__module__', '?')}.{getattr(base, '__name__', '?')}")
     return out
 
 
 def call_signature(kernel, args, kwargs) -> Optional[str]:
-    """The match string of a launch (None when an argument has no encoding, e.g. a descriptor)."""
+    """The match string of a launch (None when an argument has no encoding)."""
     try:
         values = [_encode(v) for v in (*args, *kwargs.values())]
     except _Unencodable:
@@ -246,10 +248,7 @@ def _pool():
 
 
 def _jit_function(qualified: str):
-    fn = _class(qualified)
-    while not hasattr(fn, "arg_names") and hasattr(fn, "fn"):
-        fn = fn.fn
-    return fn
+    return pretuned._base_function(_class(qualified))
 
 
 def _compile(index: int, spec: dict) -> None:
