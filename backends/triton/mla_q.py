@@ -99,6 +99,7 @@ import triton.language as tl
 from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
+from .. import settings
 from ..registry import register, register_variant, variants
 from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, fast_launch, interpret_mode,
                       launch_gated, placeholder, triton_reasons)
@@ -699,14 +700,13 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
     bf16 x bf16 products are exact in fp32, so the kernel computes the spec's fp32 sum of exact products
     like the MXFP8 kernels do, in another order), then the MXFP8 pointer kernel, gated on the guard,
     recomputes everything when a nonzero code sits under a scale byte outside that range or a value is
-    not finite. Cost beside the GEMM: one pass over x and w (w's 2 bytes an element of bf16 written
-    once; the weight is re-dequantized per call)."""
+    not finite. Cost beside the GEMM: one pass over x, and one over w when its dequantization is not
+    kept from an earlier call (_weight_bf16)."""
     from . import mla_q_gluon
     from .quantize import dequantize_bf16_flat
 
-    flag = torch.zeros(1, dtype=torch.int32, device=x.data.device)
+    w16, flag = _weight_bf16(w)
     x16 = dequantize_bf16_flat(x, guard=(flag, *BF16_SAFE_SCALE_BYTES[x.elem]))
-    w16 = dequantize_bf16_flat(w, guard=(flag, *BF16_SAFE_SCALE_BYTES[w.elem]))
     mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
                        col_scale, config=config, variant=variant)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
@@ -1008,22 +1008,79 @@ def _carve(buf: torch.Tensor, parts):
     return views
 
 
-def _contraction_bf16(t, flag):
-    """bf16 [R, K] of an operand blocked along R (axis 0, the GEMM's contraction axis in the backward):
-    an MXTensor dequantized by the guarded flat pass (a K-major copy -- data.t() contiguous, as the
-    weight cache stores it -- is dequantized in that layout and handed back transposed); a bf16 tensor
-    quantized along R and dequantized in one pre-pass (its exact MXFP8 value, as the spec's backward
-    quantizes it)."""
+def _mx_bf16(t: MXTensor, flag) -> torch.Tensor:
+    """bf16 dequantization of an MXTensor by the guarded flat pass, raising flag (see
+    dequantize_bf16_flat); a K-major 2-D copy (data.t() contiguous, as dispatch.weights stores the
+    columnwise weight) is dequantized in that layout and handed back transposed."""
     from .quantize import dequantize_bf16_flat
 
+    guard = (flag, *BF16_SAFE_SCALE_BYTES[t.elem])
+    if t.data.dim() == 2 and not t.data.is_contiguous() and t.data.t().is_contiguous():
+        return dequantize_bf16_flat(_transposed_operand(t), guard=guard).t()
+    return dequantize_bf16_flat(t, guard=guard)
+
+
+def _contraction_bf16(t, flag):
+    """bf16 [R, K] of an operand blocked along R (axis 0, the GEMM's contraction axis in the backward):
+    an MXTensor dequantized by the guarded flat pass (_mx_bf16); a bf16 tensor quantized along R and
+    dequantized in one pre-pass (its exact MXFP8 value, as the spec's backward quantizes it)."""
     if isinstance(t, MXTensor):
-        guard = (flag, *BF16_SAFE_SCALE_BYTES[t.elem])
-        if not t.data.is_contiguous() and t.data.t().is_contiguous():
-            tt = _transposed_operand(t)
-            return dequantize_bf16_flat(tt, guard=guard).t()
-        return dequantize_bf16_flat(t, guard=guard)
+        return _mx_bf16(t, flag)
     _, col = _prep_launch(t, col_dq=True, flag=flag)
     return col
+
+
+# The projection weight's bf16 dequantization, kept per weight MXTensor. On sm90 the MXFP8 projection
+# multiplies exact bf16 dequantizations (there is no MXFP8 MMA), and a training step hands the fused op
+# the same weight MXTensors from one optimizer step to the next (dispatch.weights keeps them), so the
+# dequantization -- and the guard's verdict on it -- is made once per MXTensor: per forward and per
+# backward one pass over the weight (3 bytes an element) and one launch less. Cost: the bf16 copy (2
+# bytes an element; one for the forward's row copy, one for the backward's column copy) lives as long
+# as the codes it was made from. An entry is keyed on a weak reference to the codes' storage (it never
+# keeps the codes' memory, and while it exists no other storage can take its identity) and holds the
+# scale tensor; it is remade when the codes or scales are other views or were written in place (version
+# counters), and entries whose codes are gone are dropped at the next miss. Writes that bypass the
+# version counter (through `.data`) are not seen: as for dispatch.weights, call clear_weight_bf16()
+# after them. MXMLA_TRITON_WEIGHT_BF16=0 dequantizes on every call instead.
+_WEIGHT_BF16: dict = {}  # StorageWeakRef of the codes -> (stamp, scale, w16, flag)
+
+
+def _stamp(t: MXTensor):
+    d, sc = t.data, t.scale
+    return (d.data_ptr(), tuple(d.shape), d.stride(), d._version, d.dtype, sc.data_ptr(), tuple(sc.shape),
+            sc.stride(), sc._version, t.axis, t.elem, t.scale_layout)
+
+
+def _weight_bf16(w: MXTensor):
+    """(bf16 dequantization of the weight MXTensor w, a fresh int32 guard flag holding the guard's
+    verdict on it): from the cache above when it holds w, else made now (and kept)."""
+    device = w.data.device
+    if not settings.flag("MXMLA_TRITON_WEIGHT_BF16"):
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return _mx_bf16(w, flag), flag
+    try:
+        stamp = _stamp(w)
+    except RuntimeError:  # inference tensors keep no version counter: nothing to key a copy on
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return _mx_bf16(w, flag), flag
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key = StorageWeakRef(w.data.untyped_storage())
+    entry = _WEIGHT_BF16.get(key)
+    if entry is None or entry[0] != stamp:
+        for dead in [k for k in _WEIGHT_BF16 if k.expired()]:
+            del _WEIGHT_BF16[dead]
+        _WEIGHT_BF16.pop(key, None)  # the stale copy goes before the new one is made
+        w_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        entry = (stamp, w.scale, _mx_bf16(w, w_flag), w_flag)
+        _WEIGHT_BF16[key] = entry
+    return entry[2], entry[3].clone()
+
+
+def clear_weight_bf16() -> None:
+    """Drop every kept weight dequantization (after writes to weight codes that bypass the version
+    counter; tests)."""
+    _WEIGHT_BF16.clear()
 
 
 def _fallback_operand(t, bf16_buf, flag):
@@ -1041,8 +1098,8 @@ def _fallback_operand(t, bf16_buf, flag):
 def _backward_dequantized(dq2, x, w, cos, sin):
     """The MXFP8 backward on bf16 GEMMs. One pre-pass reads dq once and writes the bf16 dequantization
     of both quantizations of g (row- and column-blocked, each exact in bf16 where the guard stays
-    down); x and w blocked along T / N come dequantized likewise; then dx = g_row @ w_n and dw = g_col^T
-    @ x_t are two cuBLAS bf16 GEMMs (exact products, fp32 sum, one rounding: the MXFP8 GEMM's
+    down); x and w blocked along T / N come dequantized likewise (w's dequantization kept across
+    calls: _weight_bf16); then dx = g_row @ w_n and dw = g_col^T @ x_t are two cuBLAS bf16 GEMMs (exact products, fp32 sum, one rounding: the MXFP8 GEMM's
     contract, as its bf16 route keeps it). Against the MXFP8-GEMM route this writes g twice as bf16
     (4 bytes an element instead of 2 of codes) but no GEMM re-reads codes to dequantize them, and
     cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
@@ -1051,9 +1108,13 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     writing codes and the exact block GEMMs."""
     tokens, n = dq2.shape
     device = dq2.device
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    if isinstance(w, MXTensor):  # a weight MXTensor: its dequantization kept across calls
+        w16, flag = _weight_bf16(w)  # [N, K]
+    else:
+        w16, flag = None, torch.zeros(1, dtype=torch.int32, device=device)
     g_row16, g_col16 = _prep_launch(dq2, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag)
-    w16 = _contraction_bf16(w, flag)  # [N, K]
+    if w16 is None:
+        w16 = _contraction_bf16(w, flag)  # [N, K]
     x16 = _contraction_bf16(x, flag)  # [T, K]
     k = x16.shape[1]
     dx = _empty((tokens, k), torch.bfloat16, device)

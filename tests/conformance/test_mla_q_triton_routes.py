@@ -139,6 +139,63 @@ def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags):
     assert not k_major.data.is_contiguous() and k_major.data.t().is_contiguous()
     _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
     assert flags == [1, 1, 1, 1]
+    # the same weight MXTensors again: their dequantizations come from the kept copies, and so does the
+    # guard's verdict on them (the exact path still runs)
+    _check(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
+    _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
+    assert flags == [1] * 8
+
+
+def _mx_weight(device, tag="kept"):
+    w = _rng(tag).standard_normal((384, 64)).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block (scale byte 0)
+    return to_torch(spec.mxfp8_quantize(w.astype(BF16), axis=1), device)
+
+
+def test_weight_bf16_kept_per_weight_and_remade_when_written(mla, monkeypatch):
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    mod, device = mla
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "1")
+    mod.clear_weight_bf16()
+    w = _mx_weight(device)
+    w16, flag = mod._weight_bf16(w)
+    fresh = lambda t: dequantize_bf16_flat(t, guard=(torch.zeros(1, dtype=torch.int32, device=device), 10, 246))  # noqa: E731
+    assert_bytes_equal(w16.view(torch.int16).cpu(), fresh(w).view(torch.int16).cpu(), "kept copy")
+    assert int(flag.item()) == 0
+    # the same codes seen through new views (as the autograd layer hands them) find the kept copy; the flag
+    # is a fresh tensor each call (the op's kernels raise it)
+    again = MXTensor(w.data.view(torch.uint8).view(torch.float8_e4m3fn), w.scale, 1, "e4m3", "compact")
+    w16b, flag_b = mod._weight_bf16(again)
+    assert w16b is w16 and flag_b is not flag
+    # codes written in place: remade, with the new values
+    w.data.view(torch.uint8)[5, 3] ^= 0x08
+    w16c, _ = mod._weight_bf16(w)
+    assert w16c is not w16
+    assert_bytes_equal(w16c.view(torch.int16).cpu(), fresh(w).view(torch.int16).cpu(), "after a codes write")
+    # a scale byte written in place (now outside the bf16-safe range over nonzero codes): remade, flag up
+    w.scale[7, 1] = 3
+    w16d, flag_d = mod._weight_bf16(w)
+    assert w16d is not w16c and int(flag_d.item()) == 1
+    # switched off: dequantized on every call
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "0")
+    assert mod._weight_bf16(w)[0] is not mod._weight_bf16(w)[0]
+
+
+def test_weight_bf16_does_not_keep_codes_alive(mla, monkeypatch):
+    import gc
+
+    mod, device = mla
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "1")
+    mod.clear_weight_bf16()
+    w = _mx_weight(device, "alive")
+    mod._weight_bf16(w)
+    (key,) = mod._WEIGHT_BF16
+    del w
+    gc.collect()
+    assert key.expired(), "a kept copy must not keep the codes' memory"
+    mod._weight_bf16(_mx_weight(device, "next"))  # a miss drops the entries of codes that are gone
+    assert key not in mod._WEIGHT_BF16 and len(mod._WEIGHT_BF16) == 1
 
 
 def test_flat_dequantize_guard_exempts_zero_codes(triton_target):
