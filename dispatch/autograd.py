@@ -83,7 +83,7 @@ from torch import Tensor
 
 import dispatch as _dispatch
 from spec.checks import require_bool
-from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mxtensor import MXTensor
 
 __all__ = [
@@ -98,6 +98,7 @@ __all__ = [
     "reshape_mx",
     "expand_mx",
     "cat_mx",
+    "mla_kv_mxfp8",
     "grad_proxy",
     "OPS",
 ]
@@ -839,6 +840,110 @@ def cat_mx(tensors: Sequence[MXTensor], dim: int) -> MXTensor:
                          f"({sorted({str(p.dtype) for p in proxies})})")
     proxy = _ProxyCat.apply(dim, tuple(data.shape), *proxies)
     return TrackedMXTensor(data, scale, first.axis, first.elem, "compact", proxy)
+
+
+_KV_LAYOUTS = {"bshd": (4, 1, 2), "sbhd": (4, 0, 2), "thd": (3, 0, 1)}  # layout -> (dims, sequence axis, head axis)
+_NOPE_DIM = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
+
+
+def _check_kv(k_nope, k_pe, v, layout) -> Tuple[int, int]:
+    """(sequence axis, head axis) of the mla_kv_mxfp8 operands; raises naming the argument otherwise."""
+    if layout not in _KV_LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(_KV_LAYOUTS)}, got {layout!r}")
+    nd, seq, head = _KV_LAYOUTS[layout]
+    for name, t, d in (("k_nope", k_nope, _NOPE_DIM), ("k_pe", k_pe, MLA_ROPE_DIM), ("v", v, MLA_V_HEAD_DIM)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+        if t.dim() != nd or t.shape[-1] != d:
+            raise ValueError(f"{name}: expected {nd} dims ({layout}) with last axis {d}, got shape {tuple(t.shape)}")
+    if v.shape[:-1] != k_nope.shape[:-1]:
+        raise ValueError(f"v: expected the leading shape of k_nope {tuple(k_nope.shape[:-1])}, got {tuple(v.shape)}")
+    pe_lead = tuple(k_pe.shape[:-1])
+    heads = k_nope.shape[head]
+    if pe_lead[:head] + pe_lead[head + 1:] != tuple(k_nope.shape[:head] + k_nope.shape[head + 1:-1]) \
+            or pe_lead[head] not in (1, heads):
+        raise ValueError(f"k_pe: expected shape {tuple(k_nope.shape[:head])} + (1 or {heads},) + "
+                         f"{tuple(k_nope.shape[head + 1:-1])} + ({MLA_ROPE_DIM},), got {tuple(k_pe.shape)}")
+    if k_pe.dtype != k_nope.dtype:
+        raise TypeError(f"k_pe: expected the dtype of k_nope ({k_nope.dtype}: k's one gradient), got {k_pe.dtype}")
+    if len({k_nope.device, k_pe.device, v.device}) != 1:
+        raise ValueError(f"k_nope, k_pe, v: expected one device, got {k_nope.device}, {k_pe.device}, {v.device}")
+    if v.shape[seq] % BLOCK_SIZE:
+        raise ValueError(f"v: its sequence axis {seq} ({layout}) is blocked by {BLOCK_SIZE}; got length "
+                         f"{v.shape[seq]}, not a multiple of {BLOCK_SIZE}")
+    return seq, head
+
+
+def _kv_composed(k_nope, k_pe, v, seq, head, backend):
+    """mla_kv_mxfp8 from the custom ops (compile tracing, tensor subclasses): k quantized from the bf16
+    concatenation (the same bytes: every block lies inside one part)."""
+    k = torch.cat([k_nope, k_pe.expand(tuple(k_nope.shape[:-1]) + (MLA_ROPE_DIM,))], dim=-1)
+    return mxfp8_quantize(k, axis=-1, backend=backend), mxfp8_quantize(v, axis=seq, backend=backend)
+
+
+class _KVQuant(torch.autograd.Function):
+    """The eager mla_kv_mxfp8: three dispatch.run quantizations and one join of codes under one graph node
+    (the composition's gradients, computed the same way: slices, the sum over heads that expand's backward
+    takes, casts to the inputs' dtypes)."""
+
+    @staticmethod
+    def forward(ctx, k_nope, k_pe, v, seq, head, backend):
+        run = _dispatch.run
+        kn = run("mxfp8_quantize", k_nope, axis=-1, backend=backend)
+        kp = run("mxfp8_quantize", k_pe, axis=-1, backend=backend)
+        vq = run("mxfp8_quantize", v, axis=seq, backend=backend)
+        shape = tuple(k_nope.shape[:-1])
+        kp_data, kp_scale = kp.data.view(torch.uint8), kp.scale
+        if k_pe.shape[head] != k_nope.shape[head]:
+            kp_data = kp_data.expand(shape + (MLA_ROPE_DIM,))
+            kp_scale = kp_scale.expand(shape + (MLA_ROPE_DIM // BLOCK_SIZE,))
+        k_data = _cat_bytes([kn.data.view(torch.uint8), kp_data], -1)
+        k_scale = torch.cat([kn.scale, kp_scale], dim=-1)
+        v_data = vq.data.view(torch.uint8)
+        ctx.mark_non_differentiable(k_data, k_scale, v_data, vq.scale)
+        ctx.set_materialize_grads(False)
+        ctx.head, ctx.pe_heads, ctx.dtypes = head, k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
+        outer = getattr(_EAGER, "active", False)
+        _EAGER.active = True  # the shared zero (see grad_proxy): a Function's outputs may share storage
+        try:
+            k_proxy = grad_proxy(shape + (MLA_QK_HEAD_DIM,), k_nope.dtype, k_nope.device)
+            v_proxy = grad_proxy(v.shape, v.dtype, v.device)
+        finally:
+            _EAGER.active = outer
+        return k_proxy, k_data, k_scale, v_proxy, v_data, vq.scale
+
+    @staticmethod
+    def backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
+        nope_dtype, pe_dtype, v_dtype = ctx.dtypes
+        dk_nope = dk_pe = None
+        if dk is not None:
+            dk_nope = dk[..., :_NOPE_DIM].to(nope_dtype)
+            dk_pe = dk[..., _NOPE_DIM:]
+            if ctx.pe_heads != dk.shape[ctx.head]:
+                dk_pe = dk_pe.sum(ctx.head, keepdim=True)
+            dk_pe = dk_pe.to(pe_dtype)
+        return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype), None, None, None
+
+
+def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd",
+                 backend: Optional[str] = None) -> Tuple[MXTensor, MXTensor]:
+    """MLA's key and value as attention's MXFP8 operands, tracked: k = [k_nope | k_pe] [..., H, 192]
+    blocked along D, where k_pe (RoPE already applied) is [..., 1, 64] shared by every head or
+    [..., H, 64]; v [..., H, 128] blocked along the sequence axis (bshd: 1, sbhd / thd: 0). e4m3,
+    rceil, saturate, compact scales: byte-equal to `mxfp8_quantize` of the concatenation and of v, with
+    gradients straight through to k_nope, k_pe (summed over the heads it is shared by) and v, as the
+    composition's. k_nope and v may be strided slices of one [..., H, 256] projection (read in place
+    where the backend can). A plain eager call is one graph node: three quantizations and k joined from
+    the codes (k_pe's quantized once and broadcast: no bf16 concatenation is written), for the host cost
+    of one op; compile tracing and tensor subclasses take the composition of the custom ops."""
+    seq, head = _check_kv(k_nope, k_pe, v, layout)
+    if not _plain((k_nope, k_pe, v)):
+        return _kv_composed(k_nope, k_pe, v, seq, head, backend)
+    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, seq, head, backend)
+    return (TrackedMXTensor(k_data.view(torch.float8_e4m3fn), k_scale, k_data.dim() - 1, "e4m3", "compact", k_proxy),
+            TrackedMXTensor(v_data.view(torch.float8_e4m3fn), v_scale, seq, "e4m3", "compact", v_proxy))
 
 
 OPS = {

@@ -20,8 +20,9 @@ Paths (--path):
   (dispatch.weights.quantize_after_step; the first forward quantizes on demand), the Q up-projection
   is the fused
   `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
-  MXFP8 along D (k_nope and the shared k_pe quantized, then joined by `cat_mx` with k_pe broadcast over
-  the heads: the bytes of quantizing the bf16 k), v along S, and `mla_attention` takes MXFP8 q, k, v.
+  MXFP8 along D and v along S (`mla_kv_mxfp8`: k_nope and the shared k_pe quantized, k joined from the
+  codes with k_pe broadcast over the heads: the bytes of quantizing the bf16 k), and `mla_attention`
+  takes MXFP8 q, k, v.
   The other GEMMs (W_DQ, W_DKV, W_UKV, W_O) stay bf16: this project provides MXFP8 kernels for the Q path and attention only.
 - bf16: the same block in bf16 through the mxmla autograd ops: bf16 matmul for the Q up-projection,
   `rope` for q and k_pe, `mla_attention` with bf16 q, k, v.
@@ -199,14 +200,10 @@ class MLABlock(torch.nn.Module):
                                                        quantize_grad=self.quantize_grad, x_t=y_col, w_n=w_col,
                                                        backend=self.backend)
                 q = mxag.reshape_mx(q_row, (b, s, cfg.heads, QK_DIM))
-                # k = [k_nope | k_pe] built from codes: k_nope (a slice of kv_up, read in place) and the one
-                # shared k_pe quantized along D, k_pe's codes broadcast over the heads; byte-equal to
-                # quantizing the bf16 concatenation, without writing it
-                k_nope = mxag.mxfp8_quantize(k_nope, axis=-1, backend=self.backend)
-                k_pe = mxag.expand_mx(mxag.mxfp8_quantize(k_pe, axis=-1, backend=self.backend),
-                                      (b, s, cfg.heads, ROPE_DIM))
-                k = mxag.cat_mx([k_nope, k_pe], dim=-1)
-                v = mxag.mxfp8_quantize(v, axis=1, backend=self.backend)  # bshd: blocked along S
+                # k = [k_nope | k_pe] along D and v along S, from k_nope and v (slices of kv_up, read in
+                # place) and the one shared k_pe: byte-equal to quantizing the bf16 concatenation, which is
+                # never written
+                k, v = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout="bshd", backend=self.backend)
             o, _ = mxag.mla_attention(q, k, v, causal=True, layout="bshd", backend=self.backend)
         return o.reshape(cfg.tokens, cfg.heads * V_DIM) @ self.w_o.to(bf16).T           # [T, hidden]
 

@@ -1,0 +1,157 @@
+"""dispatch.autograd.mla_kv_mxfp8: MLA's key and value as attention's MXFP8 operands in one graph node.
+
+Checked against the spec (k = quantize of the bf16 concatenation [k_nope | k_pe broadcast over heads]
+along D, v quantized along the sequence axis; codes and scales byte-equal) and against the composition
+of tracked ops it replaces (quantize, expand_mx, cat_mx: the same bytes, and gradients byte-equal, since
+they are the same slices, head sums and casts), on every layout, on the torch backend, the Triton
+interpreter and CUDA where present; seeded data at several magnitudes with special values (NaN and
+all-zero blocks, Inf, subnormals, -0, values one ulp from a power of two). Bad inputs raise naming
+the argument; compile tracing and no-grad calls work.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import dispatch.autograd as mxag
+import spec
+from tests.util import BF16, assert_bytes_equal
+
+LAYOUTS = {"bshd": ((2, 64, 3), 1, 2), "sbhd": ((64, 2, 3), 0, 2), "thd": ((64, 3), 0, 1)}
+
+
+def _inputs(layout, scale, shared=True, seed=5):
+    lead, _, head = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(*lead, 256, generator=gen) * scale
+    flat = kv.view(-1, 256)
+    flat[0, :32] = float("nan")                # an all-NaN block of k_nope
+    flat[1, 32:64] = 0.0                       # an all-zero block
+    flat[2, 5] = float("inf")
+    flat[3, 7] = 2.0 ** -133                   # a bf16 subnormal
+    flat[3, 8] = -0.0
+    flat[4, 130] = 2.0 ** 8 * (1 - 2 ** -8)    # one bf16 ulp under a power of two, in v
+    flat[5, 200] = float("-inf")
+    pe_lead = list(lead)
+    if shared:
+        pe_lead[head] = 1
+    k_pe = torch.randn(*pe_lead, 64, generator=gen) * scale
+    k_pe.view(-1, 64)[1, 3] = 2.0 ** -130
+    return kv.bfloat16(), k_pe.bfloat16()
+
+
+def _device(backend, monkeypatch):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return "triton", "cpu"
+    if backend == "triton-cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        return "triton", "cuda"
+    return backend, "cpu"
+
+
+def _spec(kv, k_pe, layout):
+    """spec's k (the bf16 concatenation quantized along D) and v (quantized along the sequence axis)."""
+    lead, seq, _ = LAYOUTS[layout]
+    kv32 = kv.float().numpy()  # bf16 values, exactly
+    pe = np.broadcast_to(k_pe.float().numpy(), lead + (64,))
+    k = np.concatenate([kv32[..., :128], pe], axis=-1).astype(BF16)
+    return spec.mxfp8_quantize(k, axis=len(lead)), spec.mxfp8_quantize(kv32[..., 128:].astype(BF16), axis=seq)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("scale", [2.0 ** -20, 1.0, 2.0 ** 20])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-cuda"])
+def test_bytes_equal_spec_and_composition(layout, scale, backend, monkeypatch):
+    backend, device = _device(backend, monkeypatch)
+    kv, k_pe = (t.to(device).requires_grad_(True) for t in _inputs(layout, scale))
+    k_nope, v = kv[..., :128], kv[..., 128:]  # strided slices of one projection
+    k, vq = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout=layout, backend=backend)
+    _, seq, head = LAYOUTS[layout]
+    k_ref, v_ref = mxag._kv_composed(k_nope, k_pe, v, seq, head, backend)
+    want_k, want_v = _spec(kv.detach().cpu(), k_pe.detach().cpu(), layout)
+    for got, ref, want, name in ((k, k_ref, want_k, "k"), (vq, v_ref, want_v, "v")):
+        assert isinstance(got, mxag.TrackedMXTensor) and got.grad_proxy.requires_grad
+        assert (got.axis, got.elem, got.scale_layout, got.shape) == (want.axis, "e4m3", "compact", want.data.shape)
+        assert_bytes_equal(got.data.cpu(), want.data, f"{name} codes vs spec")
+        assert_bytes_equal(got.scale.cpu(), want.scale, f"{name} scales vs spec")
+        assert_bytes_equal(got.data, ref.data, f"{name} codes vs composition")
+        assert_bytes_equal(got.scale, ref.scale, f"{name} scales vs composition")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shared", [True, False])
+def test_gradients_equal_composition(layout, shared):
+    kv, k_pe = (t.requires_grad_(True) for t in _inputs(layout, 1.0, shared=shared))
+    kv.data.nan_to_num_(0.0, 0.0, 0.0)  # finite data: the gradients are compared, not the forward
+    _, seq, head = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(9)
+    k, vq = mxag.mla_kv_mxfp8(kv[..., :128], k_pe, kv[..., 128:], layout=layout, backend="torch")
+    gk = torch.randn(k.shape, generator=gen).bfloat16()
+    gv = torch.randn(vq.shape, generator=gen).bfloat16()
+    got = torch.autograd.grad([k.grad_proxy, vq.grad_proxy], [kv, k_pe], [gk, gv])
+    k2, v2 = mxag._kv_composed(kv[..., :128], k_pe, kv[..., 128:], seq, head, "torch")
+    want = torch.autograd.grad([k2.grad_proxy, v2.grad_proxy], [kv, k_pe], [gk, gv])
+    for a, b, name in zip(got, want, ("d kv", "d k_pe")):
+        assert a.dtype == b.dtype == torch.bfloat16 and a.shape == b.shape
+        assert_bytes_equal(a.view(torch.int16), b.view(torch.int16), name)
+    # only k used (v's gradient absent): k's still flows, as the composition's does
+    k3, _ = mxag.mla_kv_mxfp8(kv[..., :128], k_pe, kv[..., 128:], layout=layout, backend="torch")
+    k4, _ = mxag._kv_composed(kv[..., :128], k_pe, kv[..., 128:], seq, head, "torch")
+    for a, b in zip(torch.autograd.grad([k3.grad_proxy], [kv, k_pe], [gk]),
+                    torch.autograd.grad([k4.grad_proxy], [kv, k_pe], [gk])):
+        assert_bytes_equal(a.view(torch.int16), b.view(torch.int16), "k only")
+
+
+def test_float32_inputs_get_float32_gradients():
+    kv, k_pe = _inputs("thd", 1.0)
+    kv = kv.float().nan_to_num(0.0, 0.0, 0.0).requires_grad_(True)
+    k_pe = k_pe.float().requires_grad_(True)
+    k, v = mxag.mla_kv_mxfp8(kv[..., :128], k_pe, kv[..., 128:], layout="thd", backend="torch")
+    assert k.grad_proxy.dtype == v.grad_proxy.dtype == torch.float32
+    (k.grad_proxy.float().sum() + v.grad_proxy.float().sum()).backward()
+    assert kv.grad.dtype == k_pe.grad.dtype == torch.float32
+    assert torch.equal(k_pe.grad, torch.full_like(k_pe, 3.0))  # summed over the 3 heads sharing it
+
+
+def test_no_grad_and_compile():
+    kv, k_pe = _inputs("bshd", 1.0)
+    with torch.no_grad():
+        k, v = mxag.mla_kv_mxfp8(kv[..., :128], k_pe, kv[..., 128:], backend="torch")
+    assert not k.grad_proxy.requires_grad
+    want_k, want_v = _spec(kv, k_pe, "bshd")
+    assert_bytes_equal(k.data, want_k.data, "no-grad k codes")
+
+    def f(kv, k_pe):
+        k, v = mxag.mla_kv_mxfp8(kv[..., :128], k_pe, kv[..., 128:], backend="torch")
+        return k.data.view(torch.uint8), k.scale, v.data.view(torch.uint8), v.scale
+
+    out = torch.compile(f, fullgraph=True, backend="eager")(kv, k_pe)
+    for got, want, name in zip(out, (want_k.data, want_k.scale, want_v.data, want_v.scale), "kKvV"):
+        assert_bytes_equal(got, want, f"compiled {name}")
+
+
+def test_bad_inputs_raise():
+    kv, k_pe = _inputs("bshd", 1.0)
+    kn, v = kv[..., :128], kv[..., 128:]
+    cases = [
+        (dict(layout="bhsd"), ValueError, "layout"),
+        (dict(k_nope=kv[..., :96]), ValueError, "k_nope"),
+        (dict(k_pe=k_pe[..., :32]), ValueError, "k_pe"),
+        (dict(k_pe=k_pe.expand(2, 64, 2, 64)), ValueError, "k_pe"),
+        (dict(v=kv[:, :32, :, 128:]), ValueError, "v"),
+        (dict(v=kv[:, :48, :, 128:], k_nope=kv[:, :48, :, :128], k_pe=k_pe[:, :48]), ValueError, "multiple of 32"),
+        (dict(k_pe=k_pe.float()), TypeError, "k_pe"),
+        (dict(v=v.to(torch.int32)), TypeError, "v"),
+        (dict(k_nope="k"), TypeError, "k_nope"),
+        (dict(layout="thd"), ValueError, "k_nope"),
+    ]
+    for change, exc, words in cases:
+        args = dict(k_nope=kn, k_pe=k_pe, v=v, layout="bshd", backend="torch")
+        args.update(change)
+        with pytest.raises(exc, match=words):
+            mxag.mla_kv_mxfp8(**args)
