@@ -1071,9 +1071,13 @@ def _weight_bf16(w: MXTensor):
         for dead in [k for k in _WEIGHT_BF16 if k.expired()]:
             del _WEIGHT_BF16[dead]
         _WEIGHT_BF16.pop(key, None)  # the stale copy goes before the new one is made
-        w_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        entry = (stamp, w.scale, _mx_bf16(w, w_flag), w_flag)
-        _WEIGHT_BF16[key] = entry
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        # the entry keeps this call's own flag as the verdict: later calls copy it (in stream order, after
+        # this call's kernels). This call's other operands may raise it too, and then later calls take
+        # the exact path needlessly -- still exact -- while a weight changes every optimizer step and
+        # is dequantized afresh at its first call, which so costs no launch more than without the copy
+        _WEIGHT_BF16[key] = (stamp, w.scale, _mx_bf16(w, flag), flag)
+        return _WEIGHT_BF16[key][2], flag
     return entry[2], entry[3].clone()
 
 
