@@ -16,7 +16,8 @@ other models are untouched) that computes what HF's forward computes, through `d
     kv_nope, k_rot = split(kv_a_proj_with_mqa(h)); kv_nope = kv_a_layernorm(kv_nope)   HF modules
     k_rot = rope(k_rot);  [k_nope | v] = kv_b_proj(kv_nope)                              HF module
     o = mla_attention(q, [k_nope | k_rot], v, causal, softmax_scale=attn.scaling)
-          mxfp8: k MXFP8 along D, v along S (quantized from the model's dtype); bf16: k, v in bf16
+          mxfp8: k MXFP8 along D, v along S (quantized from the model's dtype: mla_kv_mxfp8, k joined
+                 from codes with the shared k_rot's broadcast over heads); bf16: k, v in bf16
     out = o_proj(o)                                    HF module, o cast to the model's dtype
 
 Mapping of HF's conventions:
@@ -327,8 +328,12 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
     kv = self.kv_b_proj(kv_nope).view(batch, seq, -1, NOPE_DIM + V_DIM)
     heads = kv.shape[2]
     k_nope, v = kv[..., :NOPE_DIM], kv[..., NOPE_DIM:]
-    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM).expand(batch, seq, heads, ROPE_DIM)
-    k = torch.cat([k_nope, k_rot], dim=-1)                                                    # [B, S, H, 192]
+    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM)
+    if patch.path == "mxfp8" and k_rot.dtype == k_nope.dtype:
+        # k along D, v along S, from the slices and the shared k_rot: the bytes of quantizing the concatenation
+        k, v = mxag.mla_kv_mxfp8(k_nope, k_rot, v, layout="bshd", backend=patch.backend)
+    else:
+        k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, ROPE_DIM)], dim=-1)            # [B, S, H, 192]
     st.attention.softmax_scale = float(self.scaling)  # read per call, as HF's forward does
     o, _ = st.attention(q, k, v, causal=causal)                                               # [B, S, H, 128]
     out = self.o_proj(o.reshape(batch, seq, heads * V_DIM).to(hidden_states.dtype))
