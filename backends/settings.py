@@ -58,10 +58,11 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_TRITON_FP8_MMA", FLAG, "0", "triton: _mxfp8.fp8_mma_widened (gemm, mla_q)",
            "1: MXFP8 block dots on the fp8 MMA (faster on sm90, narrower accumulator than fp32); "
            "0: codes widened to fp16 first"),
-    Switch("MXMLA_TRITON_WEIGHT_BF16", FLAG, "1", "triton: mla_q._weight_bf16 (the MXFP8 projection on sm90)",
+    Switch("MXMLA_TRITON_WEIGHT_BF16", FLAG, "0", "triton: mla_q._weight_bf16 (the MXFP8 projection on sm90)",
            "1: the fused op's MXFP8 weight is dequantized to bf16 once per weight MXTensor and the copy kept while "
-           "those codes live (2 bytes an element; the forward's row copy and the backward's column copy one each); "
-           "0: dequantized on every call"),
+           "those codes live (2 bytes an element; the forward's row copy and the backward's column copy one each): "
+           "for a weight that serves several calls per update (gradient accumulation, inference); 0: dequantized "
+           "on every call (a weight re-quantized every step gains nothing from the copies)"),
     Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
 )}

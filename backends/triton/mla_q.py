@@ -1041,7 +1041,9 @@ def _contraction_bf16(t, flag):
 # scale tensor; it is remade when the codes or scales are other views or were written in place (version
 # counters), and entries whose codes are gone are dropped at the next miss. Writes that bypass the
 # version counter (through `.data`) are not seen: as for dispatch.weights, call clear_weight_bf16()
-# after them. MXMLA_TRITON_WEIGHT_BF16=0 dequantizes on every call instead.
+# after them. Off by default (MXMLA_TRITON_WEIGHT_BF16=1 turns it on): a training step that
+# re-quantizes its weight after every optimizer step uses each copy once, so the copies would only
+# hold memory; with several forwards per update (gradient accumulation, inference) each saves a pass.
 _WEIGHT_BF16: dict = {}  # StorageWeakRef of the codes -> (stamp, scale, w16, flag)
 
 

@@ -120,11 +120,14 @@ def test_backward_guard_falls_back_to_spec_bytes(mla, flags, case):
     _check(got, want)
 
 
-def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags):
+@pytest.mark.parametrize("kept", ["0", "1"])
+def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags, monkeypatch, kept):
     # w's columnwise MXFP8 copy with a block at 2^-122 (scale byte 7): the guard sends the op to the exact
     # path; the same weight held K-major (codes [K, N] contiguous, as the weight cache stores it) gives
     # the same bytes, and so does a safe K-major copy on the fast path.
     mod, device = mla
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", kept)
+    mod.clear_weight_bf16()
     x, w, cos, sin, dq = _case("unsafe-w")
     w = w.astype(np.float32)
     w[:32, 3] = w[:32, 3] * 2.0 ** -120
@@ -139,8 +142,8 @@ def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags):
     assert not k_major.data.is_contiguous() and k_major.data.t().is_contiguous()
     _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
     assert flags == [1, 1, 1, 1]
-    # the same weight MXTensors again: their dequantizations come from the kept copies, and so does the
-    # guard's verdict on them (the exact path still runs)
+    # the same weight MXTensors again: with kept copies (kept="1") their dequantizations and the guard's
+    # verdict on them come from the copies (the exact path still runs)
     _check(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
     _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
     assert flags == [1] * 8
