@@ -1056,31 +1056,31 @@ def _stamp(t: MXTensor):
 def _weight_bf16(w: MXTensor):
     """(bf16 dequantization of the weight MXTensor w, a fresh int32 guard flag holding the guard's
     verdict on it): from the cache above when it holds w, else made now (and kept)."""
-    device = w.data.device
-    if not settings.flag("MXMLA_TRITON_WEIGHT_BF16"):
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        return _mx_bf16(w, flag), flag
-    try:
-        stamp = _stamp(w)
-    except RuntimeError:  # inference tensors keep no version counter: nothing to key a copy on
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        return _mx_bf16(w, flag), flag
-    from torch.multiprocessing.reductions import StorageWeakRef
+    stamp = None
+    if settings.flag("MXMLA_TRITON_WEIGHT_BF16"):
+        try:
+            stamp = _stamp(w)
+        except RuntimeError:  # inference tensors keep no version counter: nothing to key a copy on
+            pass
+    if stamp is not None:
+        from torch.multiprocessing.reductions import StorageWeakRef
 
-    key = StorageWeakRef(w.data.untyped_storage())
-    entry = _WEIGHT_BF16.get(key)
-    if entry is None or entry[0] != stamp:
+        key = StorageWeakRef(w.data.untyped_storage())
+        entry = _WEIGHT_BF16.get(key)
+        if entry is not None and entry[0] == stamp:
+            return entry[2], entry[3].clone()
         for dead in [k for k in _WEIGHT_BF16 if k.expired()]:
             del _WEIGHT_BF16[dead]
         _WEIGHT_BF16.pop(key, None)  # the stale copy goes before the new one is made
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=w.data.device)
+    w16 = _mx_bf16(w, flag)
+    if stamp is not None:
         # the entry keeps this call's own flag as the verdict: later calls copy it (in stream order, after
         # this call's kernels). This call's other operands may raise it too, and then later calls take
         # the exact path needlessly -- still exact -- while a weight changes every optimizer step and
         # is dequantized afresh at its first call, which so costs no launch more than without the copy
-        _WEIGHT_BF16[key] = (stamp, w.scale, _mx_bf16(w, flag), flag)
-        return _WEIGHT_BF16[key][2], flag
-    return entry[2], entry[3].clone()
+        _WEIGHT_BF16[key] = (stamp, w.scale, w16, flag)
+    return w16, flag
 
 
 def clear_weight_bf16() -> None:
@@ -1105,8 +1105,8 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     """The MXFP8 backward on bf16 GEMMs. One pre-pass reads dq once and writes the bf16 dequantization
     of both quantizations of g (row- and column-blocked, each exact in bf16 where the guard stays
     down); x and w blocked along T / N come dequantized likewise (w's dequantization kept across
-    calls: _weight_bf16); then dx = g_row @ w_n and dw = g_col^T @ x_t are two cuBLAS bf16 GEMMs (exact products, fp32 sum, one rounding: the MXFP8 GEMM's
-    contract, as its bf16 route keeps it). Against the MXFP8-GEMM route this writes g twice as bf16
+    calls: _weight_bf16); then dx = g_row @ w_n and dw = g_col^T @ x_t are two cuBLAS bf16 GEMMs
+    (exact products, fp32 sum, one rounding: the MXFP8 GEMM's contract, as its bf16 route keeps it). Against the MXFP8-GEMM route this writes g twice as bf16
     (4 bytes an element instead of 2 of codes) but no GEMM re-reads codes to dequantize them, and
     cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
     BF16_SAFE_SCALE_BYTES, or a value not finite) sends the whole op to the exact path, gated on the
