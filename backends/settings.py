@@ -10,7 +10,8 @@ a reader asks, so a change takes effect on the next call that reads it.
 even when no kernel on this machine reads that switch (on CPU the Triton GPU paths never do).
 
 MXMLA_BACKEND has a grammar of its own (per-op backend lists); its parser is
-`dispatch.policy.parse_policy`, and it is listed here so that one table holds every switch. The table
+`dispatch.policy.parse_policy`, and it is listed here so that one table holds every switch, as is
+MXMLA_CACHE_DIR (a directory, read by backends/cudnn/plan_cache.py). The table
 in docs/ARCHITECTURE.md ("Environment switches") is this module's `SWITCHES`, one row each.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Switch:
     default: str
     read_by: str
     meaning: str
+    values_text: str = "grammar"  # the table's 'values' cell of a switch without a word list
 
 
 SWITCHES: Dict[str, Switch] = {s.name: s for s in (
@@ -37,6 +39,12 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_CHECK_VALUES", FLAG, "0", "dispatch",
            "1: check index-tensor values (cu_seqlens, positions, start_positions) of CUDA calls too; each "
            "check copies them to the host, a device synchronisation per call. CPU calls are always checked"),
+    Switch("MXMLA_CACHE_DIR", None, "~/.cache/mxmla", "cudnn: plan_cache",
+           "the root of mxmla's on-disk caches (cuDNN plans in its cudnn/ folder); unset: "
+           "$XDG_CACHE_HOME/mxmla, else ~/.cache/mxmla", values_text="a directory"),
+    Switch("MXMLA_CUDNN_PLAN_CACHE", FLAG, "1", "cudnn: plan_cache (attention graphs)",
+           "1: built cuDNN graphs' plans are written to the cache directory and later processes load them "
+           "instead of building (hundreds of milliseconds per graph); 0: every process builds its graphs"),
     Switch("MXMLA_TRITON_AUTOTUNE", FLAG, "1", "triton: gemm, mla_q, attention, quantize, rmsnorm, rope",
            "1: autotune tiles per shape bucket; 0: one fixed tile per kernel (no timing runs)"),
     Switch("MXMLA_TRITON_PRETUNED", FLAG, "1", "triton: pretuned.py (every autotuned kernel but the gemm's)",
@@ -110,6 +118,20 @@ def flag(name: str, default: Optional[bool] = None) -> bool:
     return value == "1"
 
 
+def text(name: str) -> str:
+    """A switch without a word list, as set ("" when unset); its reader gives it meaning."""
+    if SWITCHES[name].values is not None:
+        raise KeyError(f"{name}: a word-valued switch; read it with choice() or flag()")
+    return _raw(name)
+
+
+def cache_dir() -> str:
+    """The root of mxmla's on-disk caches: MXMLA_CACHE_DIR, else $XDG_CACHE_HOME/mxmla, else
+    ~/.cache/mxmla."""
+    return text("MXMLA_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mxmla")
+
+
 def interpret_mode() -> bool:
     """Triton's interpreter is on (kernels run on the CPU, in NumPy)."""
     return os.environ.get(TRITON_INTERPRET, "").lower() in _TRUE_WORDS
@@ -130,6 +152,6 @@ def markdown_table() -> str:
     """The table docs/ARCHITECTURE.md carries (tests compare them)."""
     rows = ["| variable | values | default | read by | meaning |", "|---|---|---|---|---|"]
     for sw in SWITCHES.values():
-        values = " \\| ".join(f"`{v}`" for v in sw.values) if sw.values else "grammar"
+        values = " \\| ".join(f"`{v}`" for v in sw.values) if sw.values else sw.values_text
         rows.append(f"| `{sw.name}` | {values} | `{sw.default}` | {sw.read_by} | {sw.meaning} |")
     return "\n".join(rows)

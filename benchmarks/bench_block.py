@@ -27,8 +27,9 @@ bwd ms; the next forward reuses the copies). Per shape and path:
 - host ms: wall time the host takes to issue one step; gpu-bound ms: the step timed with the host kept
   ahead (a sleep kernel queued first), i.e. its GPU work alone; step ms above it is host-issue cost;
 - a GPU-time table of the step's kernels (torch.profiler, one profiled step after the timed ones);
-- first step: the first step's wall time in a fresh process with empty Triton / Inductor caches, and
-  again in a second process sharing those caches (--first-step; a child process per path).
+- first step: the first step's wall time in a fresh process with empty Triton, Inductor and mxmla
+  (cuDNN plan) caches, and again in a second process sharing those caches (--first-step; a child
+  process per path).
 """
 from __future__ import annotations
 
@@ -408,14 +409,14 @@ class FirstCallCosts:
 
 
 def first_steps(shape, path, backend, smoke, cprofile: int = 0) -> dict:
-    """First-step seconds in a fresh process (empty Triton and Inductor caches) and a second one; with
+    """First-step seconds in a fresh process (empty Triton, Inductor and mxmla caches) and a second one; with
     `cprofile`, a third process's first step under cProfile (its profile only: cProfile slows it)."""
     b, s = shape
     out = {}
     with tempfile.TemporaryDirectory(prefix="mxmla_first_step_") as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
                    TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   MXMLA_TRITON_CACHE_DIR=os.path.join(cache, "mxmla"))
+                   MXMLA_CACHE_DIR=os.path.join(cache, "mxmla"))
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--shapes", f"B{b}S{s}", "--paths", path]
         if smoke:
             cmd.append("--smoke")

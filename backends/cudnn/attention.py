@@ -60,7 +60,7 @@ from spec.constants import MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM
 from spec.mxtensor import MXTensor
 
 from ..registry import register, register_variant
-from . import _common
+from . import _common, plan_cache
 from ._scales import compact_scales, pack_attention_scales, pack_columnwise, v_role_strides, v_role_view
 
 D_QK, D_V = MLA_QK_HEAD_DIM, MLA_V_HEAD_DIM
@@ -289,19 +289,35 @@ class _Graph:
 
 _graphs: Dict[tuple, _Graph] = {}
 _build_lock = threading.Lock()
-build_count = 0  # graphs built so far (tests and the benchmark read it to prove cache hits)
+build_count = 0  # graphs made so far, built or loaded (tests and the benchmark read it to prove cache hits)
 
 
 def _cached(key: tuple, build) -> _Graph:
+    """The graph for `key` (its last item is the device index): kept in memory, else loaded from the
+    on-disk plan cache (plan_cache), else built (and its plan written there)."""
     entry = _graphs.get(key)
     if entry is None:
         global build_count
         with _build_lock:
             entry = _graphs.get(key)
             if entry is None:
-                entry = build()
+                entry = _load_or_build(key, build)
                 _graphs[key] = entry
                 build_count += 1
+    return entry
+
+
+def _load_or_build(key: tuple, build) -> _Graph:
+    index = key[-1]
+    use_disk = plan_cache.usable(index)
+    if use_disk:
+        device = torch.device("cuda", index) if index >= 0 else torch.device("cpu")
+        loaded = plan_cache.load(key, index, _common.handle_for(device))
+        if loaded is not None:
+            return _Graph(*loaded)
+    entry = build()
+    if use_disk:
+        plan_cache.store(key, index, entry.graph, entry.uids, entry.workspace)
     return entry
 
 

@@ -166,3 +166,42 @@ def test_current_stream_is_used_cuda():
     side.synchronize()
     assert torch.equal(o.view(torch.int16), o_ref.view(torch.int16))
     assert torch.equal(lse, lse_ref)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_plan_cache_loads_what_was_built_cuda(layout, tmp_path, monkeypatch):
+    """Graphs built with an empty plan cache write their plans; after the in-memory graphs are dropped,
+    the same calls load them from disk (nothing built) and give the forward's exact bytes; the
+    backward's gradients are compared with the built graph's on the same inputs: byte-equal where the
+    built graph repeats itself bit for bit, else within the bf16 bound (its dq accumulation order may
+    vary between runs)."""
+    from backends.cudnn import attention as cudnn_attn
+    from backends.cudnn import plan_cache
+
+    monkeypatch.setenv("MXMLA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MXMLA_CUDNN_PLAN_CACHE", "1")
+    q, k, v, do = _deepseek_inputs(layout, seed=3, s=512, h=8)
+    kw = {}
+    if layout == "thd":
+        kw = dict(cu_seqlens_q=torch.tensor([0, 200, 512], dtype=torch.int32, device="cuda"))
+        kw["cu_seqlens_kv"] = kw["cu_seqlens_q"]
+    cudnn_attn.clear_cache()
+    stored = plan_cache.stored_count
+    o1, lse1 = cudnn_attn.mla_attention(q, k, v, causal=True, layout=layout, **kw)
+    g1 = cudnn_attn.mla_attention_backward(do, q, k, v, o1, lse1, causal=True, layout=layout, **kw)
+    g1b = cudnn_attn.mla_attention_backward(do, q, k, v, o1, lse1, causal=True, layout=layout, **kw)
+    assert plan_cache.stored_count == stored + 2, "forward and backward plans were not written"
+    assert len(list((tmp_path / "cudnn").glob("*.plan"))) == 2
+    cudnn_attn.clear_cache()
+    loaded = plan_cache.loaded_count
+    o2, lse2 = cudnn_attn.mla_attention(q, k, v, causal=True, layout=layout, **kw)
+    g2 = cudnn_attn.mla_attention_backward(do, q, k, v, o2, lse2, causal=True, layout=layout, **kw)
+    assert plan_cache.loaded_count == loaded + 2, "the plans on disk were not loaded"
+    assert torch.equal(o1.view(torch.int16), o2.view(torch.int16))
+    assert torch.equal(lse1.view(torch.int32), lse2.view(torch.int32))
+    for a, b, again in zip(g1, g2, g1b):
+        if torch.equal(a.view(torch.int16), again.view(torch.int16)):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        else:
+            assert _rel(b, a) <= BF16_BOUND
+    cudnn_attn.clear_cache()
