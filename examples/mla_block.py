@@ -177,6 +177,10 @@ class MLABlock(torch.nn.Module):
         kv_up = kv_up.view(b, s, cfg.heads, NOPE_DIM + V_DIM)
         k_nope, v = kv_up[..., :NOPE_DIM], kv_up[..., NOPE_DIM:]
 
+        # Launch order: each path's q first, then the shared k_pe's RoPE and k. The q path's mxmla ops
+        # cost more host time than GPU time; launched while the GPU still runs the kv GEMMs above, and with
+        # the small k_pe RoPE after the (GPU-heavy) q projection, the GPU waits less for the host. Every
+        # path keeps this order so the paths compare like with like.
         if self.path == "torch":
             q = (torch_rmsnorm(c_q, self.q_norm, cfg.eps) @ self.w_uq.to(bf16).T).view(b, s, cfg.heads, QK_DIM)
             q = torch_rope_mla(q, cos, sin)
@@ -184,26 +188,27 @@ class MLABlock(torch.nn.Module):
             k = torch.cat([k_nope, k_pe.expand(b, s, cfg.heads, ROPE_DIM)], dim=-1)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=True, scale=1.0 / math.sqrt(QK_DIM)).transpose(1, 2)
-        else:
+        elif self.path == "bf16":
+            q = (torch_rmsnorm(c_q, self.q_norm, cfg.eps) @ self.w_uq.to(bf16).T).view(b, s, cfg.heads, QK_DIM)
+            q = mxag.rope(q, cos, sin, layout="bshd", backend=self.backend)
             k_pe = mxag.rope(k_pe, cos, sin, layout="bshd", backend=self.backend)
-            if self.path == "bf16":
-                k = torch.cat([k_nope, k_pe.expand(b, s, cfg.heads, ROPE_DIM)], dim=-1)
-                q = (torch_rmsnorm(c_q, self.q_norm, cfg.eps) @ self.w_uq.to(bf16).T).view(b, s, cfg.heads, QK_DIM)
-                q = mxag.rope(q, cos, sin, layout="bshd", backend=self.backend)
-            else:
-                y_row, y_col, _ = mxag.rmsnorm_mxfp8(c_q, self.q_norm, eps=cfg.eps, backend=self.backend)
-                # made once per optimizer step (re-quantized when the weight's version changes)
-                w_row, w_col = quantized_weight(self.w_uq, backend=self.backend)
-                # the fused op takes cos/sin rows per token: token t of sequence b sits at position t % seq
-                cos_t, sin_t = (cos, sin) if b == 1 else (cos.repeat(b, 1), sin.repeat(b, 1))
-                q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos_t, sin_t,
-                                                       quantize_grad=self.quantize_grad, x_t=y_col, w_n=w_col,
-                                                       backend=self.backend)
-                q = mxag.reshape_mx(q_row, (b, s, cfg.heads, QK_DIM))
-                # k = [k_nope | k_pe] along D and v along S, from k_nope and v (slices of kv_up, read in
-                # place) and the one shared k_pe: byte-equal to quantizing the bf16 concatenation, which is
-                # never written
-                k, v = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout="bshd", backend=self.backend)
+            k = torch.cat([k_nope, k_pe.expand(b, s, cfg.heads, ROPE_DIM)], dim=-1)
+            o, _ = mxag.mla_attention(q, k, v, causal=True, layout="bshd", backend=self.backend)
+        else:
+            y_row, y_col, _ = mxag.rmsnorm_mxfp8(c_q, self.q_norm, eps=cfg.eps, backend=self.backend)
+            # made once per optimizer step (re-quantized when the weight's version changes)
+            w_row, w_col = quantized_weight(self.w_uq, backend=self.backend)
+            # the fused op takes cos/sin rows per token: token t of sequence b sits at position t % seq
+            cos_t, sin_t = (cos, sin) if b == 1 else (cos.repeat(b, 1), sin.repeat(b, 1))
+            q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos_t, sin_t,
+                                                   quantize_grad=self.quantize_grad, x_t=y_col, w_n=w_col,
+                                                   backend=self.backend)
+            q = mxag.reshape_mx(q_row, (b, s, cfg.heads, QK_DIM))
+            k_pe = mxag.rope(k_pe, cos, sin, layout="bshd", backend=self.backend)
+            # k = [k_nope | k_pe] along D and v along S, from k_nope and v (slices of kv_up, read in
+            # place) and the one shared k_pe: byte-equal to quantizing the bf16 concatenation, which is
+            # never written
+            k, v = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout="bshd", backend=self.backend)
             o, _ = mxag.mla_attention(q, k, v, causal=True, layout="bshd", backend=self.backend)
         return o.reshape(cfg.tokens, cfg.heads * V_DIM) @ self.w_o.to(bf16).T           # [T, hidden]
 
