@@ -129,11 +129,11 @@ def grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
     sharing it is safe, and each op saves an allocation and a fill launch); a custom-op call (compile,
     tensor subclasses) gets a fresh one, as custom ops' outputs must not share storage."""
     if getattr(_EAGER, "active", False):
-        return _shared_proxy(shape, dtype, device)
+        return shared_grad_proxy(shape, dtype, device)
     return torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
 
 
-def _shared_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
+def shared_grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
     """grad_proxy's eager form: the kept zero of (dtype, device), expanded (torch.autograd.Function outputs
     may share storage)."""
     key = (dtype, device if isinstance(device, torch.device) else torch.device(device))
@@ -911,8 +911,8 @@ class _KVQuant(torch.autograd.Function):
         ctx.mark_non_differentiable(k_data, k_scale, v_data, vq.scale)
         ctx.set_materialize_grads(False)
         ctx.head, ctx.pe_heads, ctx.dtypes = head, k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
-        k_proxy = _shared_proxy(shape + (MLA_QK_HEAD_DIM,), k_nope.dtype, k_nope.device)
-        v_proxy = _shared_proxy(v.shape, v.dtype, v.device)
+        k_proxy = shared_grad_proxy(shape + (MLA_QK_HEAD_DIM,), k_nope.dtype, k_nope.device)
+        v_proxy = shared_grad_proxy(v.shape, v.dtype, v.device)
         return k_proxy, k_data, k_scale, v_proxy, v_data, vq.scale
 
     @staticmethod

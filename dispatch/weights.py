@@ -58,7 +58,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch as _dispatch
 from dispatch.policy import parse_backend_list
-from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize
+from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize, shared_grad_proxy
 from spec.mxtensor import MXTensor
 
 __all__ = ["MXFP8Weight", "quantized_weight", "requantize", "quantize_after_step", "invalidate", "cached_copy",
@@ -166,7 +166,8 @@ class _EagerWeightProxy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, rows):
         _proxy_setup(ctx, (w, rows), None)
-        return grad_proxy(w.shape, torch.bfloat16, w.device)
+        # the kept zero, expanded: a fresh one would cost an allocation and a fill launch per forward
+        return shared_grad_proxy(w.shape, torch.bfloat16, w.device)
 
     @staticmethod
     def backward(ctx, grad):

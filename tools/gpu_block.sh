@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The MXFP8 training path on one GPU in one call: the CUDA tests of the ops the block runs, then
 # bench_mla_q --mx (op level, in turns with cuBLAS) and bench_block (the block, in turns), a table last.
-#   tools/gpu_block.sh [phases...]   phases: test mla_q block first pretune record host hf parallel
+#   tools/gpu_block.sh [phases...]   phases: test mla_q block first lines pretune record host hf parallel
 #   (default: test mla_q block)
-# Knobs: BLOCK_ARGS (default --quick), TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, HOST_CAP, HF_CAP, PAR_CAP
+# Knobs: BLOCK_ARGS (default --quick), LINES_ARGS, TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, LINES_CAP, HOST_CAP,
+# HF_CAP, PAR_CAP
 # (seconds each, SIGINT at the cap), HF_ARGS (default --train 200). hf needs the wheels in .whl_hf carried.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +20,8 @@ for phase in ${*:-test mla_q block}; do
     timeout -s INT "${TEST_CAP:-180}" python3 -m pytest tests/conformance/test_mla_q_triton_routes.py \
       tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
       tests/conformance/test_gemm_triton.py tests/conformance/test_deepseek_v3_cuda.py tests/test_autograd_cuda.py \
-      tests/conformance/test_quantize_triton.py tests/test_mx_concat.py tests/test_mla_kv.py tests/test_fast_launch.py -k "cuda" -n 8 -q -p no:cacheprovider -rfE \
+      tests/conformance/test_quantize_triton.py tests/test_mx_concat.py tests/test_mla_kv.py tests/test_fast_launch.py \
+      tests/conformance/test_attention_cudnn.py tests/test_cudnn_plan_cache.py -k "cuda" -n 8 -q -p no:cacheprovider -rfE \
       > "$OUT/tests_$COMMIT.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)" "$OUT/tests_$COMMIT.log" | head -20
@@ -42,6 +44,13 @@ for phase in ${*:-test mla_q block}; do
       > "$OUT/first${FIRST_TAG:-}_$COMMIT.log" 2>&1
     summary+=("first steps${FIRST_TAG:-} rc=$? $((SECONDS-start)) s")
     tail -8 "$OUT/first${FIRST_TAG:-}_$COMMIT.log"
+    ;;
+  lines)
+    # per line of the block's forward: host time to issue it and how far the GPU had got
+    timeout -s INT "${LINES_CAP:-90}" python3 tools/forward_lines.py ${LINES_ARGS:---paths mxfp8,bf16,torch} \
+      > "$OUT/lines_$COMMIT.log" 2>&1
+    summary+=("forward_lines rc=$? $((SECONDS-start)) s")
+    tail -60 "$OUT/lines_$COMMIT.log"
     ;;
   pretune)
     # record the autotuners' choices for the block's shapes (full autotuning), into the tree the later
