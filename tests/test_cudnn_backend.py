@@ -440,7 +440,8 @@ def test_sm90_mxfp8_takes_the_dequantized_route(fake, monkeypatch):
         "cudnn MXFP8 SDPA needs compute capability 10.x (sm100 family), cpu is 9.0",
         "cudnn MXFP8 SDPA needs cuDNN >= 9.21.0, found 9.19.0"]
     FakeGraph.instances = []
-    monkeypatch.setattr(att, "_dequantize_bf16", lambda t: to_torch(spec.mxfp8_dequantize(to_numpy(t), "bfloat16")))
+    monkeypatch.setattr(att, "_dequantize_bf16",
+                        lambda *ts: [to_torch(spec.mxfp8_dequantize(to_numpy(t), "bfloat16")) for t in ts])
     att.mla_attention(qm, km, vm, causal=True)
     ops = [op[0] for g in FakeGraph.instances for op in g.ops]
     assert "sdpa" in ops and "sdpa_mxfp8" not in ops

@@ -221,16 +221,16 @@ def _native_mx(q, k, v, causal, layout, backward, extra=()) -> bool:
     return mx_route(q, k, v, causal, layout, backward, extra)[0] == "native"
 
 
-def _dequantize_bf16(t: MXTensor) -> torch.Tensor:
-    """bf16 RN(code * 2^(e-127)) of an MXTensor at copy speed (Triton's flat pass), or the torch backend's
-    dequantize where Triton is absent."""
+def _dequantize_bf16(*ts: MXTensor) -> List[torch.Tensor]:
+    """bf16 RN(code * 2^(e-127)) of each MXTensor at copy speed (Triton's flat pass, q, k and v in one
+    launch), or the torch backend's dequantize where Triton is absent."""
     try:
-        from backends.triton.quantize import dequantize_bf16_flat
+        from backends.triton.quantize import dequantize_bf16_flat_many
     except ImportError:
         from backends.torch.quantize import mxfp8_dequantize
 
-        return mxfp8_dequantize(t, out_dtype="bfloat16")
-    return dequantize_bf16_flat(t)
+        return [mxfp8_dequantize(t, out_dtype="bfloat16") for t in ts]
+    return dequantize_bf16_flat_many(ts)
 
 
 def _operand_kind(q, k, v) -> Tuple[Optional[str], List[str]]:
@@ -974,7 +974,7 @@ def mla_attention(q, k, v, causal=False, softmax_scale=None, layout="bshd", cu_s
         native = variant == "native" if variant is not None else _native_mx(q, k, v, causal, layout, backward=False)
         if native:
             return _forward_leading_masked(_mx_forward, q, k, v, causal, scale, layout)
-        q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
+        q, k, v = _dequantize_bf16(q, k, v)
     if layout == "thd":
         return _thd_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_kv)
     return _forward_leading_masked(_dense_forward, q, k, v, causal, scale, layout)
@@ -992,7 +992,7 @@ def mla_attention_backward(do, q, k, v, o, lse, causal=False, softmax_scale=None
                                                                               backward=True, extra=extra)
         if native:
             return _backward_leading_masked(_mx_backward, do, q, k, v, o, lse, causal, scale, layout)
-        q, k, v = (_dequantize_bf16(t) for t in (q, k, v))
+        q, k, v = _dequantize_bf16(q, k, v)
     if layout == "thd":
         return _thd_backward(do, q, k, v, o, lse, causal, scale, cu_seqlens_q, cu_seqlens_kv)
     return _backward_leading_masked(_dense_backward, do, q, k, v, o, lse, causal, scale, layout)

@@ -703,10 +703,8 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
     not finite. Cost beside the GEMM: one pass over x, and one over w when its dequantization is not
     kept from an earlier call (_weight_bf16)."""
     from . import mla_q_gluon
-    from .quantize import dequantize_bf16_flat
 
-    w16, flag = _weight_bf16(w)
-    x16 = dequantize_bf16_flat(x, guard=(flag, *BF16_SAFE_SCALE_BYTES[x.elem]))
+    w16, flag, (x16,) = _weight_bf16(w, also=(x,))  # one launch for both (host time: one launch less)
     mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
                        col_scale, config=config, variant=variant)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
@@ -1008,16 +1006,24 @@ def _carve(buf: torch.Tensor, parts):
     return views
 
 
-def _mx_bf16(t: MXTensor, flag) -> torch.Tensor:
-    """bf16 dequantization of an MXTensor by the guarded flat pass, raising flag (see
-    dequantize_bf16_flat); a K-major 2-D copy (data.t() contiguous, as dispatch.weights stores the
-    columnwise weight) is dequantized in that layout and handed back transposed."""
-    from .quantize import dequantize_bf16_flat
+def _mx_bf16_many(ts, flag) -> List[torch.Tensor]:
+    """bf16 dequantization of each MXTensor in ts by the guarded flat pass, all in one launch, raising
+    flag (see dequantize_bf16_flat); a K-major 2-D copy (data.t() contiguous, as dispatch.weights stores
+    the columnwise weight) is dequantized in that layout and handed back transposed."""
+    from .quantize import dequantize_bf16_flat_many
 
-    guard = (flag, *BF16_SAFE_SCALE_BYTES[t.elem])
-    if t.data.dim() == 2 and not t.data.is_contiguous() and t.data.t().is_contiguous():
-        return dequantize_bf16_flat(_transposed_operand(t), guard=guard).t()
-    return dequantize_bf16_flat(t, guard=guard)
+    flat, transposed = [], []
+    for t in ts:
+        kmajor = t.data.dim() == 2 and not t.data.is_contiguous() and t.data.t().is_contiguous()
+        flat.append(_transposed_operand(t) if kmajor else t)
+        transposed.append(kmajor)
+    outs = dequantize_bf16_flat_many(flat, guard=(flag, [BF16_SAFE_SCALE_BYTES[t.elem] for t in flat]))
+    return [o.t() if kmajor else o for o, kmajor in zip(outs, transposed)]
+
+
+def _mx_bf16(t: MXTensor, flag) -> torch.Tensor:
+    """_mx_bf16_many of one MXTensor."""
+    return _mx_bf16_many([t], flag)[0]
 
 
 def _contraction_bf16(t, flag):
@@ -1053,9 +1059,10 @@ def _stamp(t: MXTensor):
             sc.stride(), sc._version, t.axis, t.elem, t.scale_layout)
 
 
-def _weight_bf16(w: MXTensor):
+def _weight_bf16(w: MXTensor, also=()):
     """(bf16 dequantization of the weight MXTensor w, a fresh int32 guard flag holding the guard's
-    verdict on it): from the cache above when it holds w, else made now (and kept)."""
+    verdict on it, [bf16 dequantizations of the MXTensors in `also`, guarded on the same flag]): w's
+    from the cache above when it holds w, else made now (and kept), in the same launch as also's."""
     stamp = None
     if settings.flag("MXMLA_TRITON_WEIGHT_BF16"):
         try:
@@ -1068,19 +1075,20 @@ def _weight_bf16(w: MXTensor):
         key = StorageWeakRef(w.data.untyped_storage())
         entry = _WEIGHT_BF16.get(key)
         if entry is not None and entry[0] == stamp:
-            return entry[2], entry[3].clone()
+            flag = entry[3].clone()
+            return entry[2], flag, (_mx_bf16_many(also, flag) if also else [])
         for dead in [k for k in _WEIGHT_BF16 if k.expired()]:
             del _WEIGHT_BF16[dead]
         _WEIGHT_BF16.pop(key, None)  # the stale copy goes before the new one is made
     flag = torch.zeros(1, dtype=torch.int32, device=w.data.device)
-    w16 = _mx_bf16(w, flag)
+    w16, *others = _mx_bf16_many([w, *also], flag)
     if stamp is not None:
         # the entry keeps this call's own flag as the verdict: later calls copy it (in stream order, after
         # this call's kernels). This call's other operands may raise it too, and then later calls take
         # the exact path needlessly -- still exact -- while a weight changes every optimizer step and
         # is dequantized afresh at its first call, which so costs no launch more than without the copy
         _WEIGHT_BF16[key] = (stamp, w.scale, w16, flag)
-    return w16, flag
+    return w16, flag, others
 
 
 def clear_weight_bf16() -> None:
@@ -1114,14 +1122,18 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     writing codes and the exact block GEMMs."""
     tokens, n = dq2.shape
     device = dq2.device
+    x16 = None
     if isinstance(w, MXTensor):  # a weight MXTensor: its dequantization kept across calls
-        w16, flag = _weight_bf16(w)  # [N, K]
+        # an MXFP8 x is dequantized in the same launch as w [N, K]
+        w16, flag, got = _weight_bf16(w, also=(x,) if isinstance(x, MXTensor) else ())
+        x16 = got[0] if got else None
     else:
         w16, flag = None, torch.zeros(1, dtype=torch.int32, device=device)
     g_row16, g_col16 = _prep_launch(dq2, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag)
     if w16 is None:
         w16 = _contraction_bf16(w, flag)  # [N, K]
-    x16 = _contraction_bf16(x, flag)  # [T, K]
+    if x16 is None:
+        x16 = _contraction_bf16(x, flag)  # [T, K]
     k = x16.shape[1]
     dx = _empty((tokens, k), torch.bfloat16, device)
     dw = _empty((n, k), torch.bfloat16, device)

@@ -698,19 +698,18 @@ _dequantize_tuned = autotune_cached(
 
 
 @triton.jit
-def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOCK: tl.constexpr,
-                                 IS_E5M2: tl.constexpr, HW_CVT: tl.constexpr,
-                                 GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
-    """Y = RN_bf16(code * 2^(e-127)) for contiguous codes viewed as [outer, L, INNER] blocked along L,
-    contiguous compact scales [outer, L/32, INNER]. One flat 1-D pass (no tiles): a scale byte is
-    re-read per element from L1, so it streams at copy speed (H200: 3.7 TB/s on attention's k, v; the
-    GEMM's two operands in 0.044 ms where the tiled _dequantize_kernel took 0.118 ms). GUARD: also
-    set *flag_ptr = 1 when a nonzero code's scale byte lies outside [GUARD_LO, GUARD_HI] or a value is
-    not finite
-    (the MXFP8 GEMM's bf16 route, gemm.py). NaN lanes keep the hardware's NaN bits (sign included),
-    unlike mxfp8_dequantize's canonical NaN: the callers never hand them out (attention's NaN stays
-    NaN; the GEMM route's guard sends NaN operands to its exact fallback)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _flat_bf16_pass(X, S, Y, N, flag_ptr, blk, INNER: tl.constexpr, BLOCK: tl.constexpr, IS_E5M2: tl.constexpr,
+                    HW_CVT: tl.constexpr, GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
+    """Block `blk` of the flat pass: Y = RN_bf16(code * 2^(e-127)) for contiguous codes viewed as
+    [outer, L, INNER] blocked along L, contiguous compact scales [outer, L/32, INNER]. One flat 1-D pass
+    (no tiles): a scale byte is re-read per element from L1, so it streams at copy speed (H200: 3.7 TB/s
+    on attention's k, v; the GEMM's two operands in 0.044 ms where the tiled _dequantize_kernel took
+    0.118 ms). GUARD: also set *flag_ptr = 1 when a nonzero code's scale byte lies outside [GUARD_LO,
+    GUARD_HI] or a value is not finite (the bf16 routes of the MXFP8 GEMMs). NaN lanes keep the
+    hardware's NaN bits (sign included), unlike mxfp8_dequantize's canonical NaN: the callers never
+    hand them out (attention's NaN stays NaN; the GEMM routes' guard sends NaN operands to their exact
+    fallback)."""
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     codes = tl.load(X + offs, mask=mask, other=0)
     row = offs // INNER  # = outer * L + l; L is a multiple of 32, so row // 32 = outer * L/32 + l // 32
@@ -728,25 +727,107 @@ def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOC
     tl.store(Y + offs, y, mask=mask)
 
 
-def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
-    """bf16 dequantize of any MXTensor by _dequantize_bf16_flat_kernel (swizzled scales are unswizzled
-    first). guard = (int32 flag tensor, lo, hi) raises the flag (never clears it) when a scale byte is
-    outside [lo, hi] or a dequantized value is not finite."""
+@triton.jit
+def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOCK: tl.constexpr,
+                                 IS_E5M2: tl.constexpr, HW_CVT: tl.constexpr,
+                                 GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
+    """One MXTensor's flat pass (_flat_bf16_pass), one block per program."""
+    _flat_bf16_pass(X, S, Y, N, flag_ptr, tl.program_id(0), INNER, BLOCK, IS_E5M2, HW_CVT, GUARD, GUARD_LO,
+                    GUARD_HI)
+
+
+@triton.jit
+def _dequantize_bf16_flat3_kernel(X0, S0, Y0, N0, X1, S1, Y1, N1, X2, S2, Y2, N2, END0, END1, flag_ptr,
+                                  INNER0: tl.constexpr, INNER1: tl.constexpr, INNER2: tl.constexpr,
+                                  E5M2_0: tl.constexpr, E5M2_1: tl.constexpr, E5M2_2: tl.constexpr,
+                                  LO0: tl.constexpr, HI0: tl.constexpr, LO1: tl.constexpr, HI1: tl.constexpr,
+                                  LO2: tl.constexpr, HI2: tl.constexpr, BLOCK: tl.constexpr,
+                                  HW_CVT: tl.constexpr, GUARD: tl.constexpr):
+    """Up to three MXTensors' flat passes in one launch: programs [0, END0) run tensor 0's blocks,
+    [END0, END1) tensor 1's, the rest tensor 2's (with two tensors, END1 is the grid's end). Each
+    element gets exactly what _dequantize_bf16_flat_kernel gives it; one launch instead of three saves
+    host time where the host, not the GPU, sets the pace (attention's q, k, v; the projection's x, w)."""
+    pid = tl.program_id(0)
+    if pid < END0:
+        _flat_bf16_pass(X0, S0, Y0, N0, flag_ptr, pid, INNER0, BLOCK, E5M2_0, HW_CVT, GUARD, LO0, HI0)
+    elif pid < END1:
+        _flat_bf16_pass(X1, S1, Y1, N1, flag_ptr, pid - END0, INNER1, BLOCK, E5M2_1, HW_CVT, GUARD, LO1, HI1)
+    else:
+        _flat_bf16_pass(X2, S2, Y2, N2, flag_ptr, pid - END1, INNER2, BLOCK, E5M2_2, HW_CVT, GUARD, LO2, HI2)
+
+
+_FLAT_BLOCK = 1024
+
+
+def _flat_operand(t: MXTensor):
+    """(codes as contiguous uint8, contiguous compact scales, INNER) of an MXTensor for the flat pass
+    (swizzled scales are unswizzled first)."""
     from ..torch.swizzle import unswizzle_scales
 
     data = t.data.contiguous()
     scale = (unswizzle_scales(t).scale if t.scale_layout == "swizzled" else t.scale).contiguous()
+    return data, scale, math.prod(data.shape[t.axis + 1:])
+
+
+def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
+    """bf16 dequantize of any MXTensor by _dequantize_bf16_flat_kernel (swizzled scales are unswizzled
+    first). guard = (int32 flag tensor, lo, hi) raises the flag (never clears it) when a scale byte is
+    outside [lo, hi] or a dequantized value is not finite."""
+    data, scale, inner = _flat_operand(t)
     out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
     n = data.numel()
     if n:
-        inner = math.prod(data.shape[t.axis + 1:])
-        block = 1024
         flag, lo, hi = guard if guard is not None else (data, 0, 255)
         fast_launch(
-            _dequantize_bf16_flat_kernel, (cdiv(n, block),), data.view(torch.uint8), scale, out, n, flag,
-            INNER=inner, BLOCK=block, IS_E5M2=t.elem == "e5m2", HW_CVT=use_hw_cvt(data.device),
+            _dequantize_bf16_flat_kernel, (cdiv(n, _FLAT_BLOCK),), data.view(torch.uint8), scale, out, n, flag,
+            INNER=inner, BLOCK=_FLAT_BLOCK, IS_E5M2=t.elem == "e5m2", HW_CVT=use_hw_cvt(data.device),
             GUARD=guard is not None, GUARD_LO=int(lo), GUARD_HI=int(hi))
     return out
+
+
+def dequantize_bf16_flat_many(tensors, guard=None) -> List[torch.Tensor]:
+    """[dequantize_bf16_flat(t) for t in tensors], the same bytes, in one launch per three tensors
+    (_dequantize_bf16_flat3_kernel; the tensors share a device). guard = (int32 flag tensor, ranges):
+    ranges[i] = (lo, hi) guards tensors[i] as dequantize_bf16_flat's guard does, all on the one flag."""
+    tensors = list(tensors)
+    if guard is not None:
+        flag, ranges = guard
+        ranges = list(ranges)
+        if len(ranges) != len(tensors):
+            raise ValueError(f"guard: expected {len(tensors)} (lo, hi) ranges, one per tensor, got {len(ranges)}")
+    else:
+        flag, ranges = None, [(0, 255)] * len(tensors)
+    outs: List[torch.Tensor] = []
+    for i in range(0, len(tensors), 3):
+        group, bounds = tensors[i:i + 3], ranges[i:i + 3]
+        if len(group) == 1:
+            outs.append(dequantize_bf16_flat(group[0], None if flag is None else (flag, *bounds[0])))
+            continue
+        slots, ends, total = [], [], 0
+        for t in group:
+            data, scale, inner = _flat_operand(t)
+            out = torch.empty(data.shape, dtype=torch.bfloat16, device=data.device)
+            outs.append(out)
+            total += cdiv(data.numel(), _FLAT_BLOCK)
+            ends.append(total)
+            slots.append((data, scale, out, inner, t.elem == "e5m2"))
+        if len(group) == 2:  # the third slot repeats the second and is never reached (END1 = the grid's end)
+            slots.append(slots[1])
+            bounds = bounds + bounds[1:]
+        if not total:
+            continue
+        args = []
+        for data, scale, out, _, _ in slots:
+            args += [data.view(torch.uint8), scale, out, data.numel()]
+        (lo0, hi0), (lo1, hi1), (lo2, hi2) = [(int(lo), int(hi)) for lo, hi in bounds]
+        first = slots[0][0]
+        fast_launch(
+            _dequantize_bf16_flat3_kernel, (total,), *args, ends[0], ends[1], first if flag is None else flag,
+            INNER0=slots[0][3], INNER1=slots[1][3], INNER2=slots[2][3],
+            E5M2_0=slots[0][4], E5M2_1=slots[1][4], E5M2_2=slots[2][4],
+            LO0=lo0, HI0=hi0, LO1=lo1, HI1=hi1, LO2=lo2, HI2=hi2, BLOCK=_FLAT_BLOCK,
+            HW_CVT=use_hw_cvt(first.device), GUARD=flag is not None)
+    return outs
 
 
 def dequantize_reasons(t, out_dtype="float32") -> List[str]:

@@ -24,7 +24,7 @@ import pytest
 
 import spec
 from tests.test_mla_q import exact_case
-from tests.util import BF16, assert_bytes_equal, poisoned_empty
+from tests.util import BF16, assert_bytes_equal, poisoned_empty, random_magnitudes
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_torch  # noqa: E402
@@ -162,27 +162,52 @@ def test_weight_bf16_kept_per_weight_and_remade_when_written(mla, monkeypatch):
     monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "1")
     mod.clear_weight_bf16()
     w = _mx_weight(device)
-    w16, flag = mod._weight_bf16(w)
+    w16, flag, _ = mod._weight_bf16(w)
     fresh = lambda t: dequantize_bf16_flat(t, guard=(torch.zeros(1, dtype=torch.int32, device=device), 10, 246))  # noqa: E731
     assert_bytes_equal(w16.view(torch.int16).cpu(), fresh(w).view(torch.int16).cpu(), "kept copy")
     assert int(flag.item()) == 0
     # the same codes seen through new views (as the autograd layer hands them) find the kept copy; the flag
     # is a fresh tensor each call (the op's kernels raise it)
     again = MXTensor(w.data.view(torch.uint8).view(torch.float8_e4m3fn), w.scale, 1, "e4m3", "compact")
-    w16b, flag_b = mod._weight_bf16(again)
+    w16b, flag_b, _ = mod._weight_bf16(again)
     assert w16b is w16 and flag_b is not flag
     # codes written in place: remade, with the new values
     w.data.view(torch.uint8)[5, 3] ^= 0x08
-    w16c, _ = mod._weight_bf16(w)
+    w16c, _, _ = mod._weight_bf16(w)
     assert w16c is not w16
     assert_bytes_equal(w16c.view(torch.int16).cpu(), fresh(w).view(torch.int16).cpu(), "after a codes write")
     # a scale byte written in place (now outside the bf16-safe range over nonzero codes): remade, flag up
     w.scale[7, 1] = 3
-    w16d, flag_d = mod._weight_bf16(w)
+    w16d, flag_d, _ = mod._weight_bf16(w)
     assert w16d is not w16c and int(flag_d.item()) == 1
     # switched off: dequantized on every call
     monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "0")
     assert mod._weight_bf16(w)[0] is not mod._weight_bf16(w)[0]
+
+
+@pytest.mark.parametrize("kept", ["0", "1"])
+def test_weight_bf16_dequantizes_also_on_the_same_flag(mla, monkeypatch, kept):
+    # x rides along in w's launch (a miss) or in its own (a kept hit): the bytes of its own guarded flat
+    # pass either way, and an x scale byte outside the bf16-safe range raises the flag w's call returns
+    from backends.triton.quantize import dequantize_bf16_flat
+
+    mod, device = mla
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", kept)
+    mod.clear_weight_bf16()
+    w = _mx_weight(device, "also")
+    rng = np.random.default_rng(5)
+    x = to_torch(spec.mxfp8_quantize(random_magnitudes(rng, (64, 256)).astype(BF16), axis=1), device)
+    fresh = lambda t: dequantize_bf16_flat(t, guard=(torch.zeros(1, dtype=torch.int32, device=device), 10, 246))  # noqa: E731
+    for call in ("first", "second"):
+        w16, flag, (x16,) = mod._weight_bf16(w, also=(x,))
+        assert_bytes_equal(w16.view(torch.int16).cpu(), fresh(w).view(torch.int16).cpu(), f"{call}: w")
+        assert_bytes_equal(x16.view(torch.int16).cpu(), fresh(x).view(torch.int16).cpu(), f"{call}: x")
+        assert int(flag.item()) == 0, call
+    bad = MXTensor(x.data, x.scale.clone(), 1, "e4m3", "compact")
+    bad.scale[0, 0] = 2
+    bad.data.view(torch.uint8)[0, 0] = 0x38  # a nonzero code under the unsafe byte
+    _, flag, _ = mod._weight_bf16(w, also=(bad,))
+    assert int(flag.item()) == 1
 
 
 def test_weight_bf16_does_not_keep_codes_alive(mla, monkeypatch):

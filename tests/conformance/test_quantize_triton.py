@@ -333,6 +333,60 @@ def test_dequantize_bf16_flat_every_code_and_scale_byte(device, layout):
             _assert_bf16_bytes_nan_positions(dequantize_bf16_flat(to_torch(t, device)), want, f"{elem} {what} {layout}")
 
 
+def _random_mx(rng, shape, axis, elem, layout="compact"):
+    """Every code byte (NaN codes included) under random scale bytes, 0, 1, 254 and 255 among them."""
+    dt = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[elem]
+    codes = rng.integers(0, 256, size=shape, dtype=np.uint8).view(dt)
+    sshape = list(shape)
+    sshape[axis] //= 32
+    scales = rng.integers(0, 256, size=sshape, dtype=np.uint8)
+    scales.reshape(-1)[:4] = (0, 1, 254, 255)
+    t = MXTensor(codes, scales, axis, elem)
+    return spec.swizzle_scales(t) if layout == "swizzled" else t
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_dequantize_bf16_flat_many_matches_one_by_one(device, count):
+    # One launch per three tensors: the bytes of dequantize_bf16_flat for each tensor (rowwise, a
+    # middle axis as attention's v, columnwise, swizzled), spec's values with NaN compared by position,
+    # and the shared guard flag raised exactly when one of the one-by-one guards is.
+    from backends.triton.quantize import dequantize_bf16_flat, dequantize_bf16_flat_many
+
+    rng = _rng("flat_many", count)
+    specs = [((2, 64, 3, 32), 3, "e4m3", "compact"), ((2, 64, 3, 32), 1, "e5m2", "compact"),
+             ((96, 64), 0, "e4m3", "compact"), ((64, 96), 1, "e4m3", "swizzled")][:count]
+    mx = [_random_mx(rng, *s) for s in specs]
+    ts = [to_torch(t, device) for t in mx]
+    for ranges, what in ((None, "unguarded"), ([(0, 255)] * count, "guard never raised"),
+                         ([(10, 246)] * count, "guard raised"), ([(0, 255)] * (count - 1) + [(10, 246)], "last")):
+        guard = None
+        if ranges is not None:
+            flag = torch.zeros(1, dtype=torch.int32, device=device)
+            guard = (flag, ranges)
+        got = dequantize_bf16_flat_many(ts, guard=guard)
+        assert len(got) == count
+        want_flag = 0
+        for i, (t, g) in enumerate(zip(ts, got)):
+            one_flag = torch.zeros(1, dtype=torch.int32, device=device)
+            one = dequantize_bf16_flat(t, guard=None if ranges is None else (one_flag, *ranges[i]))
+            want_flag |= int(one_flag.item())
+            assert g.dtype == torch.bfloat16 and tuple(g.shape) == tuple(t.data.shape)
+            assert_bytes_equal(to_numpy(g).view(np.uint16), to_numpy(one).view(np.uint16), f"{what} tensor {i}")
+            with np.errstate(over="ignore", invalid="ignore"):
+                ref = spec.mxfp8_dequantize(mx[i], "bfloat16")
+            _assert_bf16_bytes_nan_positions(g, ref, f"{what} tensor {i} vs spec")
+        if ranges is not None:
+            assert int(flag.item()) == want_flag, f"{what}: flag {int(flag.item())}, one by one {want_flag}"
+
+
+def test_dequantize_bf16_flat_many_rejects_mismatched_ranges():
+    from backends.triton.quantize import dequantize_bf16_flat_many
+
+    t = to_torch(_random_mx(_rng("ranges"), (32, 32), 1, "e4m3"), "cpu")
+    with pytest.raises(ValueError, match="guard: expected 2"):
+        dequantize_bf16_flat_many([t, t], guard=(torch.zeros(1, dtype=torch.int32), [(0, 255)]))
+
+
 # --------------------------------------------------------------------------------------------------
 # CUDA only: DeepSeek-V3 sizes, hardware fp8 conversion vs the integer-bit encoder
 # --------------------------------------------------------------------------------------------------
