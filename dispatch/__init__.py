@@ -52,7 +52,7 @@ CHECK_VALUES_VAR = "MXMLA_CHECK_VALUES"
 PRIORITY = {"cuda": ("cudnn", "triton", "torch"), "cpu": ("torch",), None: ()}
 
 _cache: Dict[tuple, Any] = {}
-_validated: set = set()  # (op, backend, call signature) that validate() has passed
+_validated: dict = {}  # (op, backend, MXMLA_CHECK_VALUES, call signature) validate() passed -> _values_checked
 _cache_lock = threading.Lock()
 
 # os.environ.get costs about a microsecond (key encoding); on POSIX the mapping keeps its raw bytes in
@@ -180,19 +180,22 @@ def validate(op: str, *args, backend: Optional[str] = None, **kwargs) -> None:
     # a signature validated once passes again without the validators (they read only what the
     # signature holds: shapes, dtypes, strides, scalar types and values); index values are still
     # checked per call where _values_checked says so
-    key = (op, backend, call_signature(args, kwargs))
+    key = (op, backend, _ENV_DATA.get(_CHECK_KEY), call_signature(args, kwargs))
     try:
-        known = key in _validated
+        check_values = _validated.get(key)
     except TypeError:  # an unhashable backend= (a list): parse_backend_list below raises naming it
-        known = False
-    if not known:
+        check_values = None
+    if check_values is None:
         _check_op(op)
         if backend is not None:
             parse_backend_list(backend, "backend")
         _validate_args(op, args, kwargs)
+        # whether index values are checked per call depends only on what the key holds (dtypes, devices,
+        # the MXMLA_CHECK_VALUES setting)
+        check_values = _values_checked(args, kwargs)
         with _cache_lock:
-            _validated.add(key)
-    if _values_checked(args, kwargs):
+            _validated[key] = check_values
+    if check_values:
         _check_values(op, args, kwargs)
 
 
