@@ -387,7 +387,8 @@ def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32", backend: Optional[
 def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, cu_seqlens: Optional[Tensor],
              positions: Optional[Tensor], start_positions: Optional[Tensor], cp_size: int, cp_rank: int,
              out_dtype: Optional[str], backend: Optional[str]) -> Tensor:
-    return _dispatch.run("rope", x.contiguous(), cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
+    # x as it is: every backend honours its strides (a k_pe sliced from the kv projection is not copied)
+    return _dispatch.run("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
                          positions=positions, start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
                          out_dtype=out_dtype, backend=backend).contiguous()
 

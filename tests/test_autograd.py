@@ -150,6 +150,37 @@ def test_rope_bf16_gradient_dtype_and_out_dtype():
     assert_bytes_equal(x.grad, want, "dx")
 
 
+def test_rope_of_a_strided_slice_is_not_copied_and_matches():
+    """k_pe sliced from the kv projection (row stride 576, as the MLA block passes it) goes to the backend
+    as it is: same output and gradient bytes as the contiguous copy, and the slice's own gradient."""
+    gen = torch.Generator().manual_seed(6)
+    cos, sin = rope_tables(64, gen)
+    kv = (torch.randn(2 * 64, 576, generator=gen) * 3).bfloat16().requires_grad_()
+    k_pe = kv[:, 512:].reshape(2, 64, 1, 64)
+    assert not k_pe.is_contiguous()
+    seen = []
+    real = dispatch.run
+
+    def spy(op, *args, **kwargs):
+        if op == "rope":
+            seen.append(args[0].stride())
+        return real(op, *args, **kwargs)
+
+    dispatch.run = spy
+    try:
+        out = mxag.rope(k_pe, cos, sin, layout="bshd", backend="torch")
+    finally:
+        dispatch.run = real
+    assert seen == [k_pe.stride()], "the strided slice reached the backend as a copy"
+    want = dispatch.run("rope", k_pe.detach().contiguous(), cos, sin, layout="bshd", backend="spec")
+    assert_bytes_equal(out, want, "out")
+    g = torch.randn(out.shape, generator=gen).bfloat16()
+    (out.float() * g.float()).sum().backward()
+    want_dx = dispatch.run("rope_backward", g, cos, sin, layout="bshd", backend="spec")
+    assert_bytes_equal(kv.grad[:, 512:].reshape(2, 64, 1, 64), want_dx, "dx")
+    assert not kv.grad[:, :512].any()
+
+
 # --------------------------------------------------------------------------------------------------
 # mla_q_uproj_rope_quant
 # --------------------------------------------------------------------------------------------------
