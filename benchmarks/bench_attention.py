@@ -257,7 +257,7 @@ def measure():
         shape = f"B{b} S{s} H{h}{' causal' if causal else ''}"
         q, k, v, do = make_inputs(b, s, h)
         q_mx, k_mx, v_mx = quantize_mx(q, -1), quantize_mx(k, -1), quantize_mx(v, 1)
-        q_dq, k_dq, v_dq = (tri._dequantize_bf16(x) for x in (q_mx, k_mx, v_mx))
+        q_dq, k_dq, v_dq = tri._dequantize_mx(q_mx, k_mx, v_mx)
 
         base = run_baselines(b, s, h, causal, q, k, v, do, scale, "bf16")
         base_mx = run_baselines(b, s, h, causal, q_dq, k_dq, v_dq, do, scale, "mxfp8 (dequantized)")

@@ -180,7 +180,7 @@ def attn_dequant(seq: int = 4096) -> None:
 
     q, k, v, q_mx, k_mx, v_mx = _attention_inputs(seq)
     tiled = lambda t: mxfp8_dequantize(t, "bfloat16")  # noqa: E731
-    flat = ta._dequantize_bf16
+    flat = lambda t: ta._dequantize_mx(t)[0]  # noqa: E731
     for name, t in (("k", k_mx), ("v", v_mx)):
         same = torch.equal(flat(t).view(torch.int16), tiled(t).view(torch.int16))
         nbytes = t.data.numel() * 3 // 2  # a copy reads and writes 1.5 bytes an element: 3 in all, as dequantize
