@@ -182,7 +182,7 @@ def measure(tokens, K, H):
             del out
 
         # The target's pair (the default fused forward against the GEMM) timed in turns, 3 rounds: the
-        # GEMM alone read 1.74-1.90 ms at T = 16384 across one session's runs, so a ratio of two
+        # GEMM alone read 1.74-1.90 ms at T = 16384 across the runs of one machine, so a ratio of two
         # readings minutes apart carries that drift.
         default = triton_mla_q.forward_variant(x, w)
         pair = benchlib.interleaved_ms({

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 7 on one GPU: the CUDA autograd tests (CUDA-graph capture of forward + backward, block
+# The training comparison on one GPU: the CUDA autograd tests (CUDA-graph capture of forward + backward, block
 # gradients vs the torch reference), then examples/train_compare.py: the MLA block's MXFP8 path and
 # the pure-torch bf16 reference, 200 steps from one init on one data stream, DeepSeek-V3 head
 # configuration (H 128, q_lora 1536, kv_lora 512, hidden 7168, 2 x 512 tokens).
