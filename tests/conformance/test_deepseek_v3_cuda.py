@@ -1,4 +1,4 @@
-"""DeepSeek-V3 full sizes on CUDA: the Triton kernels at the shapes the model runs (the DeepSeek-V3 list).
+"""DeepSeek-V3 full sizes on CUDA: the Triton kernels at the shapes the model runs.
 
 tokens 4096 and 16384, 128 heads x 192, K = q_lora_rank 1536, attention B=1 S=4096 H=128 causal.
 
