@@ -72,11 +72,12 @@ for phase in ${*:-test mla_q block}; do
     ;;
   host)
     # where the MXFP8 forward's host time goes: each op's issue cost, then cProfile of one block forward
-    timeout -s INT "${HOST_CAP:-120}" python3 tools/profile_block_ops.py > "$OUT/host_ops_$COMMIT.log" 2>&1
+    timeout -s INT "${HOST_CAP:-120}" python3 tools/host_costs.py > "$OUT/host_costs_$COMMIT.log" 2>&1
+    timeout -s INT "${HOST_CAP:-120}" python3 tools/profile_block_ops.py --cprofile > "$OUT/host_ops_$COMMIT.log" 2>&1
     timeout -s INT "${HOST_CAP:-120}" python3 benchmarks/bench_block.py --quick --paths mxfp8,bf16 --steps 3 --rounds 1 \
       --no-profile --host-profile --json "$OUT/host_$COMMIT.json" > "$OUT/host_$COMMIT.log" 2>&1
     summary+=("host profile rc=$? $((SECONDS-start)) s")
-    cat "$OUT/host_ops_$COMMIT.log"
+    cat "$OUT/host_costs_$COMMIT.log" "$OUT/host_ops_$COMMIT.log"
     ;;
   hf)
     # transformers (the [hf] extra) and its needs as wheels, in a separate target so the image's copies stay

@@ -32,6 +32,8 @@ q4 = ag.reshape_mx(q_row, (1, T, H, 192))
 k_mx = ag.mxfp8_quantize(k, axis=-1)
 v_mx = ag.mxfp8_quantize(v, axis=1)
 kd, vd, cd, yd, wd = k.detach(), v.detach(), c_q.detach(), y_row, w_row
+kv_up = torch.randn(1, T, H, 256, generator=g).to(bf).to(dev).requires_grad_(True)
+k_pe = torch.randn(1, T, 1, 64, generator=g).to(bf).to(dev).requires_grad_(True)
 cases = {
     "rmsnorm_mxfp8 autograd": lambda: ag.rmsnorm_mxfp8(c_q, gamma),
     "rmsnorm_mxfp8 run": lambda: dispatch.run("rmsnorm_mxfp8", cd, gamma.detach()),
@@ -45,6 +47,7 @@ cases = {
     "mla_attention autograd": lambda: ag.mla_attention(q4, k_mx, v_mx, causal=True, layout="bshd"),
     "mla_attention run": lambda: dispatch.run("mla_attention", q4, k_mx, v_mx, causal=True, layout="bshd"),
     "rope k_pe autograd": lambda: ag.rope(kd[:, :, :1, 128:].contiguous(), cos, sin, layout="bshd"),
+    "mla_kv_mxfp8 autograd": lambda: ag.mla_kv_mxfp8(kv_up[..., :128], k_pe, kv_up[..., 128:]),
 }
 from dispatch.warmup import wait_background_compiles  # noqa: E402
 
@@ -84,7 +87,7 @@ if "--cprofile" in sys.argv:
             fn()
         prof.disable()
         torch.cuda.synchronize()
-        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:14]
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:22]
         print(f"== {name}: own host us per call (cProfile, 20 calls)")
         for (f, line, func), (_, nc, tt, _, _) in rows:
             print(f"   {tt / 20 * 1e6:8.1f} us  x{nc // 20:<3} {os.path.basename(f)}:{line} {func}")
