@@ -1,6 +1,7 @@
 """Element-format generic MXFP8 device functions (e4m3 and e5m2, every scale mode of SEMANTICS 1.1-1.4),
-shared by the quantize and rmsnorm kernels: E8M0 scale bytes, exact scale multipliers, fp8 codes, and
-the per-format constexpr constants they take (`elem_meta`). Bit-exact to spec.quantize; the e4m3-only
+shared by the quantize, mla_kv and rmsnorm kernels: E8M0 scale bytes, exact scale multipliers, fp8 codes,
+the tile loads, block amaxes and code stores of a quantize pass, and the per-format constexpr
+constants they take (`elem_meta`). Bit-exact to spec.quantize; the e4m3-only
 forms the GEMM and fused kernels use are in _mxfp8.py.
 """
 from __future__ import annotations
@@ -134,3 +135,86 @@ def encode(y, IS_E5M2: tl.constexpr, MAX_BITS: tl.constexpr, CODE_SHIFT: tl.cons
     else:
         code = encode_bits(y, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
         return code.to(tl.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# loading, block amaxes and the store of one quantized tile (the quantize and mla_kv kernels)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def load_f32(ptrs, mask, X_KIND: tl.constexpr, MASKED: tl.constexpr):
+    """Load and widen to fp32 exactly. bf16 arrives as int16 bits: bits << 16 is its fp32 value
+    (Triton's interpreter flushes bf16 subnormals in its cast; on the GPU this is the same shift)."""
+    if MASKED:
+        v = tl.load(ptrs, mask=mask, other=0)
+    else:
+        v = tl.load(ptrs)
+    if X_KIND == 0:
+        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def block_amax(x3, AXIS: tl.constexpr):
+    """amax of each block of x3 along AXIS as SEMANTICS 1.1 step 1 defines it: NaN ignored, starting
+    from +0. NaN lanes are replaced by 0 before the max, so nothing depends on how max treats NaN
+    operands (NumPy's fmax, used by the interpreter, returns NaN for signaling NaNs)."""
+    return tl.max(tl.where(x3 != x3, 0.0, tl.abs(x3)), axis=AXIS)
+
+
+@triton.jit
+def max_nan(a, b):
+    """max that propagates NaN (PTX max.NaN.f32): a block's result is NaN iff it holds a NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_nan(x3, AXIS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-block max |x| that is NaN iff the block holds a NaN (and Inf iff it holds an Inf but no
+    NaN). One max.NaN per element on the GPU; the interpreter runs a custom-combine reduction one
+    pair at a time in Python, so there it is built from two vectorised reductions instead."""
+    if INTERPRET:
+        amax = tl.max(tl.abs(x3), axis=AXIS)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=AXIS) > 0
+        return tl.where(has_nan, float("nan"), amax)
+    else:
+        return tl.reduce(tl.abs(x3), AXIS, max_nan)
+
+
+@triton.jit
+def emit_codes(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, FINITE: tl.constexpr, MASKED: tl.constexpr,
+          SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, IS_E5M2: tl.constexpr,
+          INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+          CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
+          MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr):
+    """Scale bytes, codes and stores of one direction. x3: the tile viewed with blocks along AXIS;
+    amax / nonfinite: per block. FINITE: the tile holds no NaN / Inf (module docstring)."""
+    if FINITE and SCALE_MODE == 0:
+        # rceil on a finite amax, shortened: biased + (mant > 0) is (bits + 0x7FFFFF) >> 23, and
+        # p <= 2^-127 gives 0. p stays below 2^126 (amax <= fp32 max), so e <= 253: no clamp at 254,
+        # and s_inv = 2^(127 - e) is always the normal number with biased exponent 254 - e.
+        r = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+        p = (amax * r).to(tl.int32, bitcast=True)
+        e = tl.where(p <= HALF_SUBNORMAL_MANT, 0, (p + F32_MANT_MASK) >> 23)
+        s_inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    else:
+        e = scale_byte(amax, nonfinite, INV_MAX_BITS, EMAX, MBITS, SCALE_MODE, NAN_BLOCK)
+        s_inv = scale_multiplier(e, NAN_BLOCK)
+    y = tl.reshape(x3 * tl.expand_dims(s_inv, AXIS), [BM, BN])
+    if HW_CVT and FINITE:
+        # finite y: cvt.rn.satfinite rounds to nearest even and saturates finite overflow to +-max,
+        # which is exactly clamp-then-round; no NaN can occur
+        if IS_E5M2:
+            codes = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        codes = encode(y, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+                        SUB_MAGIC_BITS, HW_CVT)
+    if MASKED:
+        tl.store(code_ptr + offs, codes, mask=mask)
+        tl.store(s_ptr + s_off, e.to(tl.uint8), mask=s_mask)
+    else:
+        tl.store(code_ptr + offs, codes)
+        tl.store(s_ptr + s_off, e.to(tl.uint8))

@@ -67,8 +67,8 @@ from ..registry import register
 from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from ._mxfp8 import bf16_unsafe
-from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, elem_meta,
-                        encode, scale_byte, scale_multiplier, use_hw_cvt)
+from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, amax_nan, block_amax,
+                        elem_meta, emit_codes, load_f32, use_hw_cvt)
 from .swizzle import empty_output, swizzle_offset
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -79,91 +79,8 @@ _OUT_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 # --------------------------------------------------------------------------------------------------
-# device helpers
-# --------------------------------------------------------------------------------------------------
-@triton.jit
-def _load_f32(ptrs, mask, X_KIND: tl.constexpr, MASKED: tl.constexpr):
-    """Load and widen to fp32 exactly. bf16 arrives as int16 bits: bits << 16 is its fp32 value
-    (Triton's interpreter flushes bf16 subnormals in its cast; on the GPU this is the same shift)."""
-    if MASKED:
-        v = tl.load(ptrs, mask=mask, other=0)
-    else:
-        v = tl.load(ptrs)
-    if X_KIND == 0:
-        return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return v.to(tl.float32)
-
-
-@triton.jit
-def _block_amax(x3, AXIS: tl.constexpr):
-    """amax of each block of x3 along AXIS as SEMANTICS 1.1 step 1 defines it: NaN ignored, starting
-    from +0. NaN lanes are replaced by 0 before the max, so nothing depends on how max treats NaN
-    operands (NumPy's fmax, used by the interpreter, returns NaN for signaling NaNs)."""
-    return tl.max(tl.where(x3 != x3, 0.0, tl.abs(x3)), axis=AXIS)
-
-
-# --------------------------------------------------------------------------------------------------
 # quantize kernel
 # --------------------------------------------------------------------------------------------------
-@triton.jit
-def _max_nan(a, b):
-    """max that propagates NaN (PTX max.NaN.f32): a block's result is NaN iff it holds a NaN."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _amax_nan(x3, AXIS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Per-block max |x| that is NaN iff the block holds a NaN (and Inf iff it holds an Inf but no
-    NaN). One max.NaN per element on the GPU; the interpreter runs a custom-combine reduction one
-    pair at a time in Python, so there it is built from two vectorised reductions instead."""
-    if INTERPRET:
-        amax = tl.max(tl.abs(x3), axis=AXIS)
-        has_nan = tl.max((x3 != x3).to(tl.int32), axis=AXIS) > 0
-        return tl.where(has_nan, float("nan"), amax)
-    else:
-        return tl.reduce(tl.abs(x3), AXIS, _max_nan)
-
-
-@triton.jit
-def _emit(x3, amax, nonfinite, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, FINITE: tl.constexpr, MASKED: tl.constexpr,
-          SCALE_MODE: tl.constexpr, NAN_BLOCK: tl.constexpr, HW_CVT: tl.constexpr, IS_E5M2: tl.constexpr,
-          INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
-          CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
-          MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr):
-    """Scale bytes, codes and stores of one direction. x3: the tile viewed with blocks along AXIS;
-    amax / nonfinite: per block. FINITE: the tile holds no NaN / Inf (module docstring)."""
-    if FINITE and SCALE_MODE == 0:
-        # rceil on a finite amax, shortened: biased + (mant > 0) is (bits + 0x7FFFFF) >> 23, and
-        # p <= 2^-127 gives 0. p stays below 2^126 (amax <= fp32 max), so e <= 253: no clamp at 254,
-        # and s_inv = 2^(127 - e) is always the normal number with biased exponent 254 - e.
-        r = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
-        p = (amax * r).to(tl.int32, bitcast=True)
-        e = tl.where(p <= HALF_SUBNORMAL_MANT, 0, (p + F32_MANT_MASK) >> 23)
-        s_inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
-    else:
-        e = scale_byte(amax, nonfinite, INV_MAX_BITS, EMAX, MBITS, SCALE_MODE, NAN_BLOCK)
-        s_inv = scale_multiplier(e, NAN_BLOCK)
-    y = tl.reshape(x3 * tl.expand_dims(s_inv, AXIS), [BM, BN])
-    if HW_CVT and FINITE:
-        # finite y: cvt.rn.satfinite rounds to nearest even and saturates finite overflow to +-max,
-        # which is exactly clamp-then-round; no NaN can occur
-        if IS_E5M2:
-            codes = y.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        else:
-            codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    else:
-        codes = encode(y, IS_E5M2, MAX_BITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
-                        SUB_MAGIC_BITS, HW_CVT)
-    if MASKED:
-        tl.store(code_ptr + offs, codes, mask=mask)
-        tl.store(s_ptr + s_off, e.to(tl.uint8), mask=s_mask)
-    else:
-        tl.store(code_ptr + offs, codes)
-        tl.store(s_ptr + s_off, e.to(tl.uint8))
-
-
 @triton.jit
 def _row_scale_offsets(offs_m, offs_n0, N, ROW_LAST, ROW_CP, NB: tl.constexpr, ROW_SWIZZLED: tl.constexpr,
                        ROW_SPLIT: tl.constexpr, IDX64: tl.constexpr):
@@ -241,35 +158,35 @@ def _quantize_kernel(
     offs = base + offs_m[:, None] * N + offs_n[None, :]  # the outputs' (contiguous) element offsets
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     x_row0 = batch * SXP + offs_m[:, None] * SXM
-    x = _load_f32(x_ptr + x_row0 + _x_cols(offs_n, SXH, X_INNER)[None, :], mask, X_KIND, MASKED)
+    x = load_f32(x_ptr + x_row0 + _x_cols(offs_n, SXH, X_INNER)[None, :], mask, X_KIND, MASKED)
 
     # NaN-propagating block amaxes: NaN marks blocks holding NaN, Inf blocks holding Inf; on a finite
     # tile they are the spec's amaxes. Both directions see the same elements, so the row amaxes decide
     # for the dual kernel.
     if ROW:
         x_row = tl.reshape(x, [BM, BN // 32, 32])
-        row_amax = _amax_nan(x_row, 2, INTERPRET)
+        row_amax = amax_nan(x_row, 2, INTERPRET)
         tile_finite = tl.max(tl.where(row_amax < float("inf"), 0, 1)) == 0
     else:
         x_col = tl.reshape(x, [BM // 32, 32, BN])
-        col_amax = _amax_nan(x_col, 1, INTERPRET)
+        col_amax = amax_nan(x_col, 1, INTERPRET)
         tile_finite = tl.max(tl.where(col_amax < float("inf"), 0, 1)) == 0
 
     if tile_finite:  # the common case: no NaN / Inf anywhere in the tile
         if ROW:
             s_off, blk = _row_scale_offsets(offs_m, n0, N, ROW_LAST, ROW_CP, BN // 32, ROW_SWIZZLED, ROW_SPLIT, IDX64)
             s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
-            _emit(x_row, row_amax, row_amax != row_amax, offs, mask, row_code_ptr, row_scale_ptr, s_off, s_mask,
+            emit_codes(x_row, row_amax, row_amax != row_amax, offs, mask, row_code_ptr, row_scale_ptr, s_off, s_mask,
                   2, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS,
                   EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
         if COL:
             if ROW:  # computed here, not before the branch: shuffles cannot sink into it, and a
                 # [BM/32, BN] amax held across the row work costs registers
                 x_col = tl.reshape(x, [BM // 32, 32, BN])
-                col_amax = _amax_nan(x_col, 1, INTERPRET)
+                col_amax = amax_nan(x_col, 1, INTERPRET)
             s_off, mblk = _col_scale_offsets(m0, offs_n, batch, M, N, COL_CP, BM // 32, COL_SWIZZLED, IDX64)
             s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_n[None, :] < COL_LIM_N)
-            _emit(x_col, col_amax, col_amax != col_amax, offs, mask, col_code_ptr, col_scale_ptr, s_off, s_mask,
+            emit_codes(x_col, col_amax, col_amax != col_amax, offs, mask, col_code_ptr, col_scale_ptr, s_off, s_mask,
                   1, BM, BN, True, MASKED, SCALE_MODE, NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS,
                   EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
     else:
@@ -280,14 +197,14 @@ def _quantize_kernel(
             offs_c = n0 + c * 32 + tl.arange(0, 32)
             offs_s = base + offs_m[:, None] * N + offs_c[None, :]
             mask_s = (offs_m[:, None] < M) & (offs_c[None, :] < N)
-            xs = _load_f32(x_ptr + x_row0 + _x_cols(offs_c, SXH, X_INNER)[None, :], mask_s, X_KIND, MASKED)
+            xs = load_f32(x_ptr + x_row0 + _x_cols(offs_c, SXH, X_INNER)[None, :], mask_s, X_KIND, MASKED)
             if ROW:
                 xs_row = tl.reshape(xs, [BM, 1, 32])
                 bits = xs_row.to(tl.int32, bitcast=True) & F32_ABS_MASK
                 s_off, blk = _row_scale_offsets(offs_m, n0 + c * 32, N, ROW_LAST, ROW_CP, 1, ROW_SWIZZLED,
                                                 ROW_SPLIT, IDX64)
                 s_mask = (offs_m[:, None] < ROW_LIM_M) & (blk[None, :] * 32 < ROW_LIM_N)
-                _emit(xs_row, _block_amax(xs_row, 2), tl.max(bits, axis=2) >= F32_INF_BITS, offs_s, mask_s,
+                emit_codes(xs_row, block_amax(xs_row, 2), tl.max(bits, axis=2) >= F32_INF_BITS, offs_s, mask_s,
                       row_code_ptr, row_scale_ptr, s_off, s_mask, 2, BM, 32, False, MASKED, SCALE_MODE,
                       NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
                       EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
@@ -296,7 +213,7 @@ def _quantize_kernel(
                 bits = xs_col.to(tl.int32, bitcast=True) & F32_ABS_MASK
                 s_off, mblk = _col_scale_offsets(m0, offs_c, batch, M, N, COL_CP, BM // 32, COL_SWIZZLED, IDX64)
                 s_mask = (mblk[:, None] * 32 < COL_LIM_M) & (offs_c[None, :] < COL_LIM_N)
-                _emit(xs_col, _block_amax(xs_col, 1), tl.max(bits, axis=1) >= F32_INF_BITS, offs_s, mask_s,
+                emit_codes(xs_col, block_amax(xs_col, 1), tl.max(bits, axis=1) >= F32_INF_BITS, offs_s, mask_s,
                       col_code_ptr, col_scale_ptr, s_off, s_mask, 1, BM, 32, False, MASKED, SCALE_MODE,
                       NAN_BLOCK, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
                       EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
