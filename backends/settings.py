@@ -89,8 +89,21 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 _TRUE_WORDS = ("1", "true", "on")
 
 
+# Kernel launchers read several switches per call, and os.environ.get encodes the key and decodes the
+# value each time (about a microsecond). On POSIX os.environ keeps its raw bytes in a dict that every
+# assignment through os.environ updates, so the readers look there with each name encoded once.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENCODED: Dict[str, bytes] = {}
+
+
 def _raw(name: str) -> str:
-    return os.environ.get(name, "")
+    key = _ENCODED.get(name)
+    if key is None:
+        if os.name != "posix" or not isinstance(_ENV_DATA, dict):  # pragma: no cover - other platforms
+            return os.environ.get(name, "")
+        key = _ENCODED[name] = os.fsencode(name)
+    value = _ENV_DATA.get(key)
+    return "" if value is None else os.fsdecode(value)
 
 
 def choice(name: str, choices: Optional[Tuple[str, ...]] = None, default: Optional[str] = None) -> str:
@@ -134,7 +147,7 @@ def cache_dir() -> str:
 
 def interpret_mode() -> bool:
     """Triton's interpreter is on (kernels run on the CPU, in NumPy)."""
-    return os.environ.get(TRITON_INTERPRET, "").lower() in _TRUE_WORDS
+    return _raw(TRITON_INTERPRET).lower() in _TRUE_WORDS
 
 
 def check_all() -> None:
