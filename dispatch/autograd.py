@@ -891,24 +891,15 @@ def _kv_composed(k_nope, k_pe, v, seq, head, backend):
 
 
 class _KVQuant(torch.autograd.Function):
-    """The eager mla_kv_mxfp8: three dispatch.run quantizations and one join of codes under one graph node
-    (the composition's gradients, computed the same way: slices, the sum over heads that expand's backward
+    """The eager mla_kv_mxfp8: one `dispatch.run("mla_kv_quantize", ...)` under one graph node (the
+    composition's gradients, computed the same way: slices, the sum over heads that expand's backward
     takes, casts to the inputs' dtypes)."""
 
     @staticmethod
-    def forward(ctx, k_nope, k_pe, v, seq, head, backend):
-        run = _dispatch.run
-        kn = run("mxfp8_quantize", k_nope, axis=-1, backend=backend)
-        kp = run("mxfp8_quantize", k_pe, axis=-1, backend=backend)
-        vq = run("mxfp8_quantize", v, axis=seq, backend=backend)
+    def forward(ctx, k_nope, k_pe, v, layout, head, backend):
+        kq, vq = _dispatch.run("mla_kv_quantize", k_nope, k_pe, v, layout=layout, backend=backend)
         shape = tuple(k_nope.shape[:-1])
-        kp_data, kp_scale = kp.data.view(torch.uint8), kp.scale
-        if k_pe.shape[head] != k_nope.shape[head]:
-            kp_data = kp_data.expand(shape + (MLA_ROPE_DIM,))
-            kp_scale = kp_scale.expand(shape + (MLA_ROPE_DIM // BLOCK_SIZE,))
-        k_data = _cat_bytes([kn.data.view(torch.uint8), kp_data], -1)
-        k_scale = torch.cat([kn.scale, kp_scale], dim=-1)
-        v_data = vq.data.view(torch.uint8)
+        k_data, k_scale, v_data = kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8)
         ctx.mark_non_differentiable(k_data, k_scale, v_data, vq.scale)
         ctx.set_materialize_grads(False)
         ctx.head, ctx.pe_heads, ctx.dtypes = head, k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
@@ -937,13 +928,14 @@ def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd",
     rceil, saturate, compact scales: byte-equal to `mxfp8_quantize` of the concatenation and of v, with
     gradients straight through to k_nope, k_pe (summed over the heads it is shared by) and v, as the
     composition's. k_nope and v may be strided slices of one [..., H, 256] projection (read in place
-    where the backend can). A plain eager call is one graph node: three quantizations and k joined from
-    the codes (k_pe's quantized once and broadcast: no bf16 concatenation is written), for the host cost
-    of one op; compile tracing and tensor subclasses take the composition of the custom ops."""
+    where the backend can). A plain eager call is one graph node around one `mla_kv_quantize` op (on
+    the Triton backend one kernel launch writing k's and v's codes and scales; no bf16 concatenation is
+    written); compile tracing and tensor subclasses take the composition of the custom ops (quantize of
+    the concatenation and of v: the same bytes)."""
     seq, head = _check_kv(k_nope, k_pe, v, layout)
     if not _plain((k_nope, k_pe, v)):
         return _kv_composed(k_nope, k_pe, v, seq, head, backend)
-    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, seq, head, backend)
+    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, layout, head, backend)
     return (TrackedMXTensor(k_data.view(torch.float8_e4m3fn), k_scale, k_data.dim() - 1, "e4m3", "compact", k_proxy),
             TrackedMXTensor(v_data.view(torch.float8_e4m3fn), v_scale, seq, "e4m3", "compact", v_proxy))
 

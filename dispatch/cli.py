@@ -92,6 +92,9 @@ def _sample_call(op: str, device: str):
         return (randn(T, K), randn(H * 192, K), cos, sin), {}
     if op == "mla_q_uproj_rope_quant_backward":
         return (randn(T, H, 192), randn(T, K), randn(H * 192, K), cos, sin), {}
+    if op == "mla_kv_quantize":
+        kv = randn(1, T, H, 256)
+        return (kv[..., :128], randn(1, T, 1, 64), kv[..., 128:]), {}
     q, k, v = randn(1, T, H, 192), randn(1, T, H, 192), randn(1, T, H, 128)
     if op == "mla_attention":
         return (q, k, v), {"causal": True}

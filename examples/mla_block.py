@@ -20,8 +20,8 @@ Paths (--path):
   (dispatch.weights.quantize_after_step; the first forward quantizes on demand), the Q up-projection
   is the fused
   `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
-  MXFP8 along D and v along S (`mla_kv_mxfp8`: k_nope and the shared k_pe quantized, k joined from the
-  codes with k_pe broadcast over the heads: the bytes of quantizing the bf16 k), and `mla_attention`
+  MXFP8 along D and v along S (`mla_kv_mxfp8`: one `mla_kv_quantize` writing k from k_nope and the
+  shared k_pe broadcast over the heads, the bytes of quantizing the bf16 k), and `mla_attention`
   takes MXFP8 q, k, v.
   The other GEMMs (W_DQ, W_DKV, W_UKV, W_O) stay bf16: this project provides MXFP8 kernels for the Q path and attention only.
 - bf16: the same block in bf16 through the mxmla autograd ops: bf16 matmul for the Q up-projection,

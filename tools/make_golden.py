@@ -74,6 +74,19 @@ def golden_cases():
     o, lse = spec.mla_attention(q, k, v, causal=True)
     do = mags((1, 20, 1, 128), BF16, 2)
     cases.append(("attention_backward", "mla_attention_backward", (do, q, k, v, o, lse), dict(causal=True)))
+    # appended last: the generator's earlier draws, and so every case above, stay as they were
+    kv = mags((1, 64, 2, 256), BF16)
+    flat = kv.reshape(-1, 256)
+    flat[0, :32] = np.nan                                  # an all-NaN block of k_nope
+    flat[1, 32:64] = 0.0                                   # an all-zero block
+    flat[2, :3] = [np.inf, -0.0, np.float32(2.0 ** -133)]  # Inf, -0, a bf16 subnormal
+    flat[3, 130] = np.float32(2.0 ** 8 * (1 - 2 ** -8))    # one bf16 ulp under a power of two, in v
+    k_pe = mags((1, 64, 1, 64), BF16)
+    k_pe[0, 1, 0, 3] = np.nan
+    cases.append(("mla_kv_bshd_shared", "mla_kv_quantize", (kv[..., :128], k_pe, kv[..., 128:]), dict(layout="bshd")))
+    kv_t = kv[0]  # thd [64, 2, 256], k_pe one row per head
+    cases.append(("mla_kv_thd_per_head", "mla_kv_quantize",
+                  (kv_t[..., :128], mags((64, 2, 64), BF16), kv_t[..., 128:]), dict(layout="thd")))
     return cases
 
 

@@ -9,5 +9,5 @@ from ..registry import declare_backend
 
 declare_backend("torch", True, version=torch.__version__)
 
-for _module in ("quantize", "swizzle", "rope", "gemm", "mla_q", "rmsnorm", "attention"):
+for _module in ("quantize", "swizzle", "rope", "gemm", "mla_q", "rmsnorm", "mla_kv", "attention"):
     importlib.import_module(f"{__name__}.{_module}")
