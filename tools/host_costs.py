@@ -52,6 +52,9 @@ class _Six(torch.autograd.Function):
         return g
 
 
+_Q = ("e4m3", "rceil", "saturate", "compact", None)
+
+
 def per_call_us(fn, n=200, reps=7) -> float:
     for _ in range(20):
         fn()
@@ -75,6 +78,7 @@ def main() -> None:
     k = torch.randn(1, 4096, 128, 256, device=dev, dtype=torch.bfloat16)
     k_nope, v = k[..., :128], k[..., 128:]
     k_pe = torch.randn(1, 4096, 1, 64, device=dev, dtype=torch.bfloat16)
+    kg, k_pe_g = k.clone().requires_grad_(True), k_pe.clone().requires_grad_(True)
     row = dispatch.run("mxfp8_quantize", x, axis=-1)
     gamma = torch.ones(1536, device=dev)
     cos = torch.rand(4096, 64, device=dev)
@@ -98,11 +102,15 @@ def main() -> None:
         "run quantize x row": lambda: dispatch.run("mxfp8_quantize", x, axis=-1),
         "run quantize k_nope row (strided)": lambda: dispatch.run("mxfp8_quantize", k_nope, axis=-1),
         "run quantize v col (strided)": lambda: dispatch.run("mxfp8_quantize", v, axis=1),
+        "quantize op body (no autograd)": lambda: ag._quantize_op._init_fn(x, [-1], *_Q),
+        "_EagerOp.apply quantize (grad in)": lambda: ag._EagerOp.apply(ag._quantize_op, xg, [-1], *_Q),
+        "autograd quantize x row (no grad in)": lambda: ag.mxfp8_quantize(x, axis=-1),
         "autograd quantize x row": lambda: ag.mxfp8_quantize(xg, axis=-1),
         "run rmsnorm_mxfp8": lambda: dispatch.run("rmsnorm_mxfp8", x, gamma),
         "autograd rmsnorm_mxfp8": lambda: ag.rmsnorm_mxfp8(xg, gamma),
         "run rope k_pe": lambda: dispatch.run("rope", k_pe, cos, sin, layout="bshd"),
         "autograd mla_kv_mxfp8": lambda: ag.mla_kv_mxfp8(k_nope, k_pe, v),
+        "autograd mla_kv_mxfp8 (grad in)": lambda: ag.mla_kv_mxfp8(kg[..., :128], k_pe_g, kg[..., 128:]),
     }
     print(f"{'building block':36} {'host us/call':>12}")
     for name, fn in cases.items():
