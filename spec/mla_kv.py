@@ -45,7 +45,9 @@ def validate_mla_kv_quantize(k_nope, k_pe, v, layout="bshd"):
         raise ValueError(f"layout: expected one of {', '.join(MLA_KV_LAYOUTS)}, got {layout!r}")
     nd, seq, head = MLA_KV_LAYOUTS[layout]
     for name, t, d in (("k_nope", k_nope, NOPE_DIM), ("k_pe", k_pe, MLA_ROPE_DIM), ("v", v, MLA_V_HEAD_DIM)):
-        checks.require_dtype(name, t, FLOAT_DTYPES)
+        checks.require_array(name, t)
+        if checks.dtype_name(t) not in FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {checks.dtype_name(t)}")
         if len(t.shape) != nd or t.shape[-1] != d:
             raise ValueError(f"{name}: expected {nd} dims ({layout}) with last axis {d}, got shape {tuple(t.shape)}")
     lead = tuple(k_nope.shape[:-1])
