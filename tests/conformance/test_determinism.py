@@ -42,6 +42,8 @@ def _calls(device):
     v = rng.standard_normal((1, 48, H, 128)).astype(BF16)
     o, lse = spec.mla_attention(q, k, v, causal=True)
     do = rng.standard_normal((1, 48, H, 128)).astype(BF16)
+    kv = t(random_magnitudes(rng, (1, T, H, 256), BF16))
+    k_pe = random_magnitudes(rng, (1, T, 1, 64), BF16)
     return [
         ("mxfp8_quantize", (t(x),), {"axis": (-1, 0)}),
         ("mxfp8_dequantize", (t(mx),), {}),
@@ -53,6 +55,7 @@ def _calls(device):
         ("mla_q_uproj_rope_quant", (t(x), t(w), t(cos), t(sin)), {}),
         ("mla_q_uproj_rope_quant_backward", (t(xr), t(x), t(w), t(cos), t(sin)), {}),
         ("rmsnorm_mxfp8", (t(x), t(rng.standard_normal(K).astype(np.float32))), {}),
+        ("mla_kv_quantize", (kv[..., :128], t(k_pe), kv[..., 128:]), {"layout": "bshd"}),
         ("mla_attention", (t(q), t(k), t(v)), {"causal": True}),
         ("mla_attention_backward", (t(do), t(q), t(k), t(v), t(o), t(lse)), {"causal": True}),
     ]
