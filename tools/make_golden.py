@@ -87,6 +87,19 @@ def golden_cases():
     kv_t = kv[0]  # thd [64, 2, 256], k_pe one row per head
     cases.append(("mla_kv_thd_per_head", "mla_kv_quantize",
                   (kv_t[..., :128], mags((64, 2, 64), BF16), kv_t[..., 128:]), dict(layout="thd")))
+    # sbhd [32, 1, 2, 256], k_pe shared by both heads; v's special values along its blocks (the S axis)
+    kv_s = mags((32, 1, 2, 256), BF16)
+    v_s = kv_s[..., 128:]
+    v_s[:, 0, 0, 5] = 0.0                                  # an all-zero block of v
+    v_s[:, 0, 1, 6] = 0.0
+    v_s[9, 0, 1, 6] = np.float32(2.0 ** 8 * (1 - 2 ** -8)) # one ulp under a power of two, its block's amax
+    v_s[3, 0, 0, 7] = np.nan
+    v_s[4, 0, 1, 8] = np.float32(2.0 ** -133)              # a subnormal
+    v_s[5, 0, 0, 9] = -0.0
+    v_s[6, 0, 1, 10] = -np.inf
+    k_pe_s = mags((32, 1, 1, 64), BF16)
+    k_pe_s[2, 0, 0, 32:] = 0.0                             # an all-zero block of k_pe
+    cases.append(("mla_kv_sbhd_shared", "mla_kv_quantize", (kv_s[..., :128], k_pe_s, v_s), dict(layout="sbhd")))
     return cases
 
 
