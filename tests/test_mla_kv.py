@@ -6,7 +6,8 @@ of tracked ops it replaces (quantize, expand_mx, cat_mx: the same bytes, and gra
 they are the same slices, head sums and casts), on every layout, on the torch backend, the Triton
 interpreter and CUDA where present; seeded data at several magnitudes with special values (NaN and
 all-zero blocks, Inf, subnormals, -0, values one ulp from a power of two). Bad inputs raise naming
-the argument; compile tracing and no-grad calls work.
+the argument; compile tracing and no-grad calls work. At the end, spec.mla_kv itself: k is the parts
+quantized apart and set side by side, the layout table, and its validator's words.
 """
 from __future__ import annotations
 
@@ -155,3 +156,57 @@ def test_bad_inputs_raise():
         args.update(change)
         with pytest.raises(exc, match=words):
             mxag.mla_kv_mxfp8(**args)
+
+
+# ------------------------------------------------------------------------------------------------
+# spec.mla_kv itself (NumPy): the op mla_kv_mxfp8's forward runs, its layouts and its validator
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_pe", "per_head_pe"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=["bf16", "f16", "f32"])
+def test_spec_is_the_parts_side_by_side(layout, shared, dtype):
+    """SEMANTICS 9: k's codes and scales are k_nope's and k_pe's (repeated over the heads when shared),
+    each quantized on its own; v is v quantized along the sequence axis."""
+    kv, k_pe = _inputs(layout, 1.0, shared=shared)
+    kv, k_pe = kv.float().numpy().astype(dtype), k_pe.float().numpy().astype(dtype)
+    lead, seq, head = LAYOUTS[layout]
+    assert spec.mla_kv.mla_kv_axes(layout) == (seq, head)
+    assert spec.mla_kv.MLA_KV_LAYOUTS[layout] == (len(lead) + 1, seq, head)
+    k, v = spec.mla_kv_quantize(kv[..., :128], k_pe, kv[..., 128:], layout=layout)
+    assert (k.axis, k.elem, k.scale_layout, k.data.shape, k.scale.shape) == \
+        (len(lead), "e4m3", "compact", lead + (192,), lead + (6,))
+    kn = spec.mxfp8_quantize(kv[..., :128], axis=-1)
+    kp = spec.mxfp8_quantize(k_pe, axis=-1)
+    reps = tuple(lead[head] // k_pe.shape[head] if i == head else 1 for i in range(len(lead))) + (1,)
+    assert_bytes_equal(k.data, np.concatenate([kn.data, np.tile(kp.data, reps)], axis=-1), "k codes")
+    assert_bytes_equal(k.scale, np.concatenate([kn.scale, np.tile(kp.scale, reps)], axis=-1), "k scales")
+    want_v = spec.mxfp8_quantize(kv[..., 128:], axis=seq)
+    assert v.axis == seq
+    assert_bytes_equal(v.data, want_v.data, "v codes")
+    assert_bytes_equal(v.scale, want_v.scale, "v scales")
+
+
+def test_spec_layout_helper_refuses_unknown_layouts():
+    with pytest.raises(ValueError, match="layout"):
+        spec.mla_kv.mla_kv_axes("bhsd")
+
+
+def test_spec_validator_words_as_mla_kv_mxfp8():
+    """spec.validate_mla_kv_quantize raises what mla_kv_mxfp8's own check raises, in the same words
+    (dtypes spelt without torch.), except where the two say different true things: the spec also
+    takes NumPy arrays, and gives its own reason for k_pe's dtype."""
+    from tests.conformance.test_mla_kv import BAD, _good
+
+    for change, exc, _ in BAD:
+        k_nope, k_pe, v = _good()
+        args = dict(k_nope=k_nope, k_pe=k_pe, v=v, layout="bshd")
+        args.update(change)
+        got = []
+        for check in (mxag._check_kv, spec.validate_mla_kv_quantize):
+            with pytest.raises(exc) as info:
+                check(args["k_nope"], args["k_pe"], args["v"], args["layout"])
+            got.append(str(info.value).replace("torch.", ""))
+        if "expected a" in got[0] and "Tensor" in got[0] or "dtype of k_nope" in got[0]:
+            got = [g.split(" (")[0].split(" expected a")[0] for g in got]
+        assert got[0] == got[1], change
