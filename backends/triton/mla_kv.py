@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM
+from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mla_kv import mla_kv_axes
 from spec.mxtensor import MXTensor
 
@@ -67,6 +67,69 @@ def _quantize_tile(x, offs, mask, code_ptr, s_ptr, s_off, s_mask, AXIS: tl.const
 
 
 @triton.jit
+def _key_rows(pid, kn_ptr, kp_ptr, kc_ptr, ks_ptr, S, H, K_ROWS, KN_B, KN_S, KN_H, KP_B, KP_S, KP_H,
+              KC_B, KC_S, KC_H, KS_B, KS_S, KS_H, K_KIND: tl.constexpr, K_MASKED: tl.constexpr,
+              IDX64: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr,
+              IS_E5M2: tl.constexpr, INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr, EMAX: tl.constexpr,
+              MBITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr, EXP_REBIAS: tl.constexpr,
+              MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr, BR: tl.constexpr):
+    """One key program: BR rows of (batch, position, head), [128 | 64] features each."""
+    d_nope = tl.arange(0, 128)
+    rows = pid * BR + tl.arange(0, BR)  # (batch, position, head) flattened, head fastest
+    if IDX64:
+        rows = rows.to(tl.int64)
+    h = rows % H
+    bs = rows // H
+    s = bs % S
+    b = bs // S
+    rmask = rows < K_ROWS
+    code_row = b * KC_B + s * KC_S + h * KC_H
+    scale_row = b * KS_B + s * KS_S + h * KS_H
+    mask = rmask[:, None] & (d_nope[None, :] < 128)
+    x = load_f32(kn_ptr + (b * KN_B + s * KN_S + h * KN_H)[:, None] + d_nope[None, :], mask, K_KIND, K_MASKED)
+    j4 = tl.arange(0, 4)
+    _quantize_tile(x, code_row[:, None] + d_nope[None, :], mask, kc_ptr, ks_ptr, scale_row[:, None] + j4[None, :],
+                   rmask[:, None] & (j4[None, :] < 4), 2, BR, 128, K_MASKED, INTERPRET, HW_CVT, IS_E5M2,
+                   INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+                   SUB_MAGIC_BITS)
+    d_pe = tl.arange(0, 64)
+    mask_pe = rmask[:, None] & (d_pe[None, :] < 64)
+    pe = load_f32(kp_ptr + (b * KP_B + s * KP_S + h * KP_H)[:, None] + d_pe[None, :], mask_pe, K_KIND, K_MASKED)
+    j2 = tl.arange(0, 2)
+    _quantize_tile(pe, code_row[:, None] + 128 + d_pe[None, :], mask_pe, kc_ptr, ks_ptr,
+                   scale_row[:, None] + 4 + j2[None, :], rmask[:, None] & (j2[None, :] < 2), 2, BR, 64, K_MASKED,
+                   INTERPRET, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
+                   EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+
+
+@triton.jit
+def _value_tile(vp, v_ptr, vc_ptr, vs_ptr, S, H, V_SBLOCKS, V_B, V_S, V_H, VC_B, VC_S, VC_H, VS_B, VS_S, VS_H,
+                V_KIND: tl.constexpr, V_MASKED: tl.constexpr, IDX64: tl.constexpr, INTERPRET: tl.constexpr,
+                HW_CVT: tl.constexpr, IS_E5M2: tl.constexpr, INV_MAX_BITS: tl.constexpr, MAX_BITS: tl.constexpr,
+                EMAX: tl.constexpr, MBITS: tl.constexpr, CODE_SHIFT: tl.constexpr, ROUND_HALF: tl.constexpr,
+                EXP_REBIAS: tl.constexpr, MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
+                VB: tl.constexpr):
+    """One value program: VB positions x 128 features of one (batch, head), head fastest over programs."""
+    d_nope = tl.arange(0, 128)
+    if IDX64:
+        vp = vp.to(tl.int64)
+    h = vp % H
+    t = vp // H
+    sblk = t % V_SBLOCKS
+    b = t // V_SBLOCKS
+    s = sblk * VB + tl.arange(0, VB)
+    smask = s < S
+    mask = smask[:, None] & (d_nope[None, :] < 128)
+    x = load_f32(v_ptr + b * V_B + h * V_H + s[:, None] * V_S + d_nope[None, :], mask, V_KIND, V_MASKED)
+    mblk = sblk * (VB // 32) + tl.arange(0, VB // 32)  # position block rows of the scales
+    s_off = b * VS_B + h * VS_H + mblk[:, None] * VS_S + d_nope[None, :]
+    _quantize_tile(x, b * VC_B + h * VC_H + s[:, None] * VC_S + d_nope[None, :], mask, vc_ptr, vs_ptr, s_off,
+                   (mblk[:, None] * 32 < S) & (d_nope[None, :] < 128), 1, VB, 128, V_MASKED, INTERPRET, HW_CVT,
+                   IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS,
+                   MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+
+
+@triton.jit
 def _mla_kv_kernel(
     kn_ptr, kp_ptr, v_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr,
     S, H, K_ROWS, K_PROGRAMS, V_SBLOCKS,
@@ -79,52 +142,16 @@ def _mla_kv_kernel(
     MIN_NORMAL_BITS: tl.constexpr, SUB_MAGIC_BITS: tl.constexpr,
     BR: tl.constexpr, VB: tl.constexpr,
 ):
+    # each kind of program in its own function: Triton types a name once across both branches
     pid = tl.program_id(0)
-    d_nope = tl.arange(0, 128)
     if pid < K_PROGRAMS:
-        rows = pid * BR + tl.arange(0, BR)  # (batch, position, head) flattened, head fastest
-        if IDX64:
-            rows = rows.to(tl.int64)
-        h = rows % H
-        bs = rows // H
-        s = bs % S
-        b = bs // S
-        rmask = rows < K_ROWS
-        code_row = b * KC_B + s * KC_S + h * KC_H
-        scale_row = b * KS_B + s * KS_S + h * KS_H
-        mask = rmask[:, None] & (d_nope[None, :] < 128)
-        x = load_f32(kn_ptr + (b * KN_B + s * KN_S + h * KN_H)[:, None] + d_nope[None, :], mask, K_KIND, K_MASKED)
-        j4 = tl.arange(0, 4)
-        _quantize_tile(x, code_row[:, None] + d_nope[None, :], mask, kc_ptr, ks_ptr, scale_row[:, None] + j4[None, :],
-                       rmask[:, None] & (j4[None, :] < 4), 2, BR, 128, K_MASKED, INTERPRET, HW_CVT, IS_E5M2,
-                       INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
-                       SUB_MAGIC_BITS)
-        d_pe = tl.arange(0, 64)
-        mask_pe = rmask[:, None] & (d_pe[None, :] < 64)
-        pe = load_f32(kp_ptr + (b * KP_B + s * KP_S + h * KP_H)[:, None] + d_pe[None, :], mask_pe, K_KIND, K_MASKED)
-        j2 = tl.arange(0, 2)
-        _quantize_tile(pe, code_row[:, None] + 128 + d_pe[None, :], mask_pe, kc_ptr, ks_ptr,
-                       scale_row[:, None] + 4 + j2[None, :], rmask[:, None] & (j2[None, :] < 2), 2, BR, 64, K_MASKED,
-                       INTERPRET, HW_CVT, IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF,
-                       EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        _key_rows(pid, kn_ptr, kp_ptr, kc_ptr, ks_ptr, S, H, K_ROWS, KN_B, KN_S, KN_H, KP_B, KP_S, KP_H,
+                  KC_B, KC_S, KC_H, KS_B, KS_S, KS_H, K_KIND, K_MASKED, IDX64, INTERPRET, HW_CVT,
+                  IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS, BR)
     else:
-        vp = pid - K_PROGRAMS  # (batch, position block, head), head fastest
-        if IDX64:
-            vp = vp.to(tl.int64)
-        h = vp % H
-        t = vp // H
-        sblk = t % V_SBLOCKS
-        b = t // V_SBLOCKS
-        s = sblk * VB + tl.arange(0, VB)
-        smask = s < S
-        mask = smask[:, None] & (d_nope[None, :] < 128)
-        x = load_f32(v_ptr + b * V_B + h * V_H + s[:, None] * V_S + d_nope[None, :], mask, V_KIND, V_MASKED)
-        mblk = sblk * (VB // 32) + tl.arange(0, VB // 32)  # position block rows of the scales
-        s_off = b * VS_B + h * VS_H + mblk[:, None] * VS_S + d_nope[None, :]
-        _quantize_tile(x, b * VC_B + h * VC_H + s[:, None] * VC_S + d_nope[None, :], mask, vc_ptr, vs_ptr, s_off,
-                       (mblk[:, None] * 32 < S) & (d_nope[None, :] < 128), 1, VB, 128, V_MASKED, INTERPRET, HW_CVT,
-                       IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS,
-                       MIN_NORMAL_BITS, SUB_MAGIC_BITS)
+        _value_tile(pid - K_PROGRAMS, v_ptr, vc_ptr, vs_ptr, S, H, V_SBLOCKS, V_B, V_S, V_H, VC_B, VC_S, VC_H,
+                    VS_B, VS_S, VS_H, V_KIND, V_MASKED, IDX64, INTERPRET, HW_CVT,
+                    IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS, VB)
 
 
 def _bsh(t: torch.Tensor, seq: int, head: int) -> Tuple[int, int, int]:
