@@ -59,7 +59,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "compiles the workload's other kernels on background threads; 0: each kernel compiles at its "
            "first launch"),
     Switch("MXMLA_TRITON_FAST_LAUNCH", FLAG, "1",
-           "triton: _common.fast_launch (quantize, dequantize, rmsnorm, rope, the Gluon mla_q forward, gated fallbacks)",
+           "triton: _common.fast_launch (quantize, dequantize, rmsnorm, mla_kv, rope, the Gluon mla_q forward, gated fallbacks)",
            "1: a repeated launch (same kernel, device, argument values and pointer alignment) calls the "
            "compiled kernel directly, skipping the autotuner's and Triton's per-launch argument handling; "
            "0: every launch through Triton's own path"),
@@ -71,7 +71,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "those codes live (2 bytes an element; the forward's row copy and the backward's column copy one each): "
            "for a weight that serves several calls per update (gradient accumulation, inference); 0: dequantized "
            "on every call (a weight re-quantized every step gains nothing from the copies)"),
-    Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm)",
+    Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm, mla_kv)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
 )}
 
