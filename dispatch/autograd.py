@@ -84,6 +84,7 @@ from torch import Tensor
 import dispatch as _dispatch
 from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
+from spec.mla_kv import MLA_KV_LAYOUTS, mla_kv_axes, validate_mla_kv_quantize
 from spec.mxtensor import MXTensor
 
 __all__ = [
@@ -849,38 +850,22 @@ def cat_mx(tensors: Sequence[MXTensor], dim: int) -> MXTensor:
     return TrackedMXTensor(data, scale, first.axis, first.elem, "compact", proxy)
 
 
-_KV_LAYOUTS = {"bshd": (4, 1, 2), "sbhd": (4, 0, 2), "thd": (3, 0, 1)}  # layout -> (dims, sequence axis, head axis)
 _NOPE_DIM = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
 
 
 def _check_kv(k_nope, k_pe, v, layout) -> Tuple[int, int]:
-    """(sequence axis, head axis) of the mla_kv_mxfp8 operands; raises naming the argument otherwise."""
-    if layout not in _KV_LAYOUTS:
-        raise ValueError(f"layout: expected one of {', '.join(_KV_LAYOUTS)}, got {layout!r}")
-    nd, seq, head = _KV_LAYOUTS[layout]
-    for name, t, d in (("k_nope", k_nope, _NOPE_DIM), ("k_pe", k_pe, MLA_ROPE_DIM), ("v", v, MLA_V_HEAD_DIM)):
+    """(sequence axis, head axis) of the mla_kv_mxfp8 operands: torch tensors on one device, and what
+    spec.mla_kv's validator checks (also on the compile and subclass paths, which do not reach
+    `mla_kv_quantize`); raises naming the argument otherwise."""
+    if not isinstance(layout, str) or layout not in MLA_KV_LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(MLA_KV_LAYOUTS)}, got {layout!r}")
+    for name, t in (("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPE_NAMES:
-            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
-        if t.dim() != nd or t.shape[-1] != d:
-            raise ValueError(f"{name}: expected {nd} dims ({layout}) with last axis {d}, got shape {tuple(t.shape)}")
-    if v.shape[:-1] != k_nope.shape[:-1]:
-        raise ValueError(f"v: expected the leading shape of k_nope {tuple(k_nope.shape[:-1])}, got {tuple(v.shape)}")
-    pe_lead = tuple(k_pe.shape[:-1])
-    heads = k_nope.shape[head]
-    if pe_lead[:head] + pe_lead[head + 1:] != tuple(k_nope.shape[:head] + k_nope.shape[head + 1:-1]) \
-            or pe_lead[head] not in (1, heads):
-        raise ValueError(f"k_pe: expected shape {tuple(k_nope.shape[:head])} + (1 or {heads},) + "
-                         f"{tuple(k_nope.shape[head + 1:-1])} + ({MLA_ROPE_DIM},), got {tuple(k_pe.shape)}")
-    if k_pe.dtype != k_nope.dtype:
-        raise TypeError(f"k_pe: expected the dtype of k_nope ({k_nope.dtype}: k's one gradient), got {k_pe.dtype}")
+    validate_mla_kv_quantize(k_nope, k_pe, v, layout)
     if len({k_nope.device, k_pe.device, v.device}) != 1:
         raise ValueError(f"k_nope, k_pe, v: expected one device, got {k_nope.device}, {k_pe.device}, {v.device}")
-    if v.shape[seq] % BLOCK_SIZE:
-        raise ValueError(f"v: its sequence axis {seq} ({layout}) is blocked by {BLOCK_SIZE}; got length "
-                         f"{v.shape[seq]}, not a multiple of {BLOCK_SIZE}")
-    return seq, head
+    return mla_kv_axes(layout)
 
 
 def _kv_composed(k_nope, k_pe, v, seq, head, backend):

@@ -39,6 +39,7 @@ _X_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 BR = 32  # key rows per program
 VB = 64  # value positions per program (two column blocks)
 NUM_WARPS = 4
+_BITS = {torch.bfloat16: torch.int16}  # bf16 inputs are loaded as their bits (load_f32 widens them)
 
 
 @triton.jit
@@ -147,11 +148,13 @@ def _mla_kv_kernel(
     if pid < K_PROGRAMS:
         _key_rows(pid, kn_ptr, kp_ptr, kc_ptr, ks_ptr, S, H, K_ROWS, KN_B, KN_S, KN_H, KP_B, KP_S, KP_H,
                   KC_B, KC_S, KC_H, KS_B, KS_S, KS_H, K_KIND, K_MASKED, IDX64, INTERPRET, HW_CVT,
-                  IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS, BR)
+                  IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+                  SUB_MAGIC_BITS, BR)
     else:
         _value_tile(pid - K_PROGRAMS, v_ptr, vc_ptr, vs_ptr, S, H, V_SBLOCKS, V_B, V_S, V_H, VC_B, VC_S, VC_H,
                     VS_B, VS_S, VS_H, V_KIND, V_MASKED, IDX64, INTERPRET, HW_CVT,
-                    IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS, SUB_MAGIC_BITS, VB)
+                    IS_E5M2, INV_MAX_BITS, MAX_BITS, EMAX, MBITS, CODE_SHIFT, ROUND_HALF, EXP_REBIAS, MIN_NORMAL_BITS,
+                    SUB_MAGIC_BITS, VB)
 
 
 def _bsh(t: torch.Tensor, seq: int, head: int) -> Tuple[int, int, int]:
@@ -194,9 +197,8 @@ def mla_kv_quantize(k_nope, k_pe, v, layout="bshd"):
     kn_s, kp_s, v_s = _bsh(k_nope, seq, head), _bsh(k_pe, seq, head), _bsh(v, seq, head)
     if k_pe.shape[head] == 1:
         kp_s = kp_s[:2] + (0,)  # one row shared by every head
-    bits = {torch.bfloat16: torch.int16}
-    args = (k_nope.view(bits.get(k_nope.dtype, k_nope.dtype)), k_pe.view(bits.get(k_pe.dtype, k_pe.dtype)),
-            v.view(bits.get(v.dtype, v.dtype)), k_codes.view(torch.uint8), k_scale, v_codes.view(torch.uint8), v_scale,
+    args = (k_nope.view(_BITS.get(k_nope.dtype, k_nope.dtype)), k_pe.view(_BITS.get(k_pe.dtype, k_pe.dtype)),
+            v.view(_BITS.get(v.dtype, v.dtype)), k_codes.view(torch.uint8), k_scale, v_codes.view(torch.uint8), v_scale,
             positions, heads, k_rows, k_programs, v_sblocks, *kn_s, *kp_s, *v_s,
             *_bsh(k_codes, seq, head), *_bsh(k_scale, seq, head), *_bsh(v_codes, seq, head), *_bsh(v_scale, seq, head))
     fast_launch(_mla_kv_kernel, (k_programs + batch * v_sblocks * heads,), *args,
