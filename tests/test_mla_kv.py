@@ -7,17 +7,21 @@ they are the same slices, head sums and casts), on every layout, on the torch ba
 interpreter and CUDA where present; seeded data at several magnitudes with special values (NaN and
 all-zero blocks, Inf, subnormals, -0, values one ulp from a power of two). Bad inputs raise naming
 the argument; compile tracing and no-grad calls work. At the end, spec.mla_kv itself: k is the parts
-quantized apart and set side by side, the layout table, and its validator's words.
+quantized apart and set side by side, with tables it is rope then the op, the layout table, and its
+validator's words.
 """
 from __future__ import annotations
 
+import zlib
+
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 import dispatch.autograd as mxag
 import spec
-from tests.util import BF16, assert_bytes_equal
+from tests.util import BF16, assert_bytes_equal, random_magnitudes
 
 LAYOUTS = {"bshd": ((2, 64, 3), 1, 2), "sbhd": ((64, 2, 3), 0, 2), "thd": ((64, 3), 0, 1)}
 
@@ -185,6 +189,68 @@ def test_spec_is_the_parts_side_by_side(layout, shared, dtype):
     assert v.axis == seq
     assert_bytes_equal(v.data, want_v.data, "v codes")
     assert_bytes_equal(v.scale, want_v.scale, "v scales")
+
+
+SPECIAL = {BF16: (2.0 ** -133, float(ml_dtypes.finfo(BF16).max)), np.float16: (2.0 ** -20, 65504.0),
+           np.float32: (2.0 ** -140, float(np.finfo(np.float32).max))}  # (a subnormal, the largest finite)
+
+
+def _spec_rope_case(layout, shared, dtype, table_dtype):
+    """NumPy (k_nope, k_pe, v, cos, sin) with special values in k_pe (+-0, subnormals, +-largest, +-Inf,
+    NaN, an all-NaN row) and in the tables (zeros, -0, a subnormal, huge entries, +-Inf, NaN)."""
+    lead, _, head = LAYOUTS[layout]
+    rng = np.random.default_rng(zlib.crc32(repr(("spec rope", layout, shared, str(dtype), str(table_dtype))).encode()))
+    kv = np.clip(random_magnitudes(rng, lead + (256,)), -6e4, 6e4).astype(dtype)
+    pe_lead = tuple(1 if i == head and shared else n for i, n in enumerate(lead))
+    k_pe = np.clip(random_magnitudes(rng, pe_lead + (64,)), -6e4, 6e4)
+    sub, big = SPECIAL[dtype]
+    pe = k_pe.reshape(-1, 64)
+    pe[0] = np.nan                                       # all-NaN blocks before and after the rotation
+    pe[1, :8] = [0.0, -0.0, -0.0, 0.0, sub, -sub, big, -big]
+    pe[2, 10:14] = [np.inf, -np.inf, 1.0, np.nan]
+    pe[3, 32:64] = 0.0
+    k_pe = k_pe.astype(dtype)
+    rows = LAYOUTS[layout][0][LAYOUTS[layout][1]] + 4
+    cos, sin = (rng.uniform(-1, 1, (rows, 64)).astype(np.float32) for _ in range(2))
+    cos[1, :5] = [0.0, -0.0, 2.0 ** -133, 2.0 ** 120, -2.0 ** 120]
+    sin[1, 30:34] = [-0.0, 2.0 ** 120, np.inf, 0.0]
+    sin[2, 40:43] = [np.inf, -np.inf, np.nan]
+    cos[4, 7] = np.nan
+    return kv[..., :128], k_pe, kv[..., 128:], cos.astype(table_dtype), sin.astype(table_dtype)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_pe", "per_head_pe"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("table_dtype", [np.float32, BF16], ids=["f32_tables", "bf16_tables"])
+def test_spec_rope_inside_is_rope_then_the_op(layout, shared, dtype, table_dtype):
+    """SEMANTICS 9: with tables, the bytes of rope(k_pe, cos, sin, style="mla", layout) in k_pe's dtype
+    given to the op without tables."""
+    k_nope, k_pe, v, cos, sin = _spec_rope_case(layout, shared, dtype, table_dtype)
+    k, vq = spec.mla_kv_quantize(k_nope, k_pe, v, layout=layout, cos=cos, sin=sin)
+    rotated = spec.rope(k_pe, cos, sin, style="mla", layout=layout)
+    assert rotated.dtype == k_pe.dtype
+    want_k, want_v = spec.mla_kv_quantize(k_nope, rotated, v, layout=layout)
+    for got, want, name in ((k, want_k, "k"), (vq, want_v, "v")):
+        assert (got.axis, got.elem, got.scale_layout) == (want.axis, want.elem, want.scale_layout)
+        assert_bytes_equal(got.data, want.data, f"{name} codes")
+        assert_bytes_equal(got.scale, want.scale, f"{name} scales")
+    plain_k, plain_v = spec.mla_kv_quantize(k_nope, k_pe, v, layout=layout)
+    assert_bytes_equal(k.data[..., :128], plain_k.data[..., :128], "k_nope part untouched")
+    assert_bytes_equal(vq.data, plain_v.data, "v untouched")
+    assert not np.array_equal(k.data[..., 128:].view(np.uint8), plain_k.data[..., 128:].view(np.uint8))
+    nan_rows = np.broadcast_to(np.isnan(rotated.astype(np.float32)).all(axis=-1), k.data.shape[:-1])
+    assert nan_rows.any() and (k.data[..., 128:].view(np.uint8)[nan_rows] == 0x7F).all()  # all-NaN blocks
+
+
+def test_spec_rope_positions_are_sequence_indices():
+    """bshd batch entries and a thd sequence each start at position 0: the same rows rotate alike."""
+    k_nope, k_pe, v, cos, sin = _spec_rope_case("bshd", True, BF16, np.float32)
+    k_pe = np.ascontiguousarray(np.broadcast_to(k_pe[:1], k_pe.shape))  # batch 1 = batch 0
+    k, _ = spec.mla_kv_quantize(k_nope, k_pe, v, layout="bshd", cos=cos, sin=sin)
+    assert_bytes_equal(k.data[1, ..., 128:], k.data[0, ..., 128:], "batch entries share positions")
+    kt, _ = spec.mla_kv_quantize(k_nope[0], k_pe[0], v[0], layout="thd", cos=cos, sin=sin)
+    assert_bytes_equal(kt.data[..., 128:], k.data[0, ..., 128:], "thd is one sequence")
 
 
 def test_spec_layout_helper_refuses_unknown_layouts():
