@@ -204,6 +204,10 @@ def _bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
+def _f32(*shape):
+    return torch.zeros(*shape, dtype=torch.float32)
+
+
 BAD = [  # (change, exception, words the message starts with)
     (dict(layout="bhsd"), ValueError, "layout: expected one of"),
     (dict(layout=None), ValueError, "layout: expected one of"),
@@ -225,6 +229,18 @@ BAD = [  # (change, exception, words the message starts with)
      r"v: its sequence axis 1 \(bshd\) is blocked by 32; got length 48"),
     (dict(k_nope=_bf16(48, 2, 3, 128), k_pe=_bf16(48, 2, 3, 64), v=_bf16(48, 2, 3, 128), layout="sbhd"),
      ValueError, r"v: its sequence axis 0 \(sbhd\)"),
+    # the RoPE tables (the k_pe of _good has 64 positions)
+    (dict(cos=_f32(64, 64)), ValueError, "sin: RoPE of k_pe takes both tables; cos was given without sin"),
+    (dict(sin=_f32(64, 64)), ValueError, "cos: RoPE of k_pe takes both tables; sin was given without cos"),
+    (dict(cos="c", sin=_f32(64, 64)), TypeError, "cos: expected a NumPy array or torch tensor"),
+    (dict(cos=_f32(64, 32), sin=_f32(64, 32)), ValueError, r"cos: expected tables \[max_positions, 64\]"),
+    (dict(cos=_f32(64, 128), sin=_f32(64, 128)), ValueError, r"cos: expected tables \[max_positions, 64\]"),
+    (dict(cos=_f32(1, 64, 64), sin=_f32(1, 64, 64)), ValueError, "cos: expected 2 dimensions"),
+    (dict(cos=_f32(64, 64), sin=_f32(65, 64)), ValueError, "cos and sin: expected equal shapes"),
+    (dict(cos=_f32(64, 64).half(), sin=_f32(64, 64).half()), TypeError, r"cos: expected dtype in \('float32', 'bfloat16'\)"),
+    (dict(cos=_f32(64, 64), sin=_f32(64, 64).to(torch.int32)), TypeError, r"sin: expected dtype in \('float32', 'bfloat16'\)"),
+    (dict(cos=_f32(64, 64), sin=_bf16(64, 64)), TypeError, r"sin: expected the dtype of cos \(float32\)"),
+    (dict(cos=_f32(63, 64), sin=_f32(63, 64)), ValueError, "cos: tables have 63 rows but a token needs position 63"),
 ]
 
 
@@ -236,11 +252,14 @@ def test_bad_arguments(change, exc, match):
     args = dict(k_nope=k_nope, k_pe=k_pe, v=v, layout="bshd")
     args.update(change)
     layout = args.pop("layout")
+    tables = {name: args[name] for name in ("cos", "sin") if name in args}
     with pytest.raises(exc, match=match):
-        dispatch.run("mla_kv_quantize", args["k_nope"], args["k_pe"], args["v"], layout=layout, backend="torch")
+        dispatch.run("mla_kv_quantize", args["k_nope"], args["k_pe"], args["v"], layout=layout, backend="torch",
+                     **tables)
     with pytest.raises(exc, match=match):
-        spec.validate_mla_kv_quantize(args["k_nope"], args["k_pe"], args["v"], layout)
+        spec.validate_mla_kv_quantize(args["k_nope"], args["k_pe"], args["v"], layout, **tables)
     # the spec on NumPy arrays fails the same way (a dtype NumPy lacks aside)
     np_args = [to_numpy(a) if isinstance(a, torch.Tensor) else a for a in (args["k_nope"], args["k_pe"], args["v"])]
+    np_tables = {name: to_numpy(t) if isinstance(t, torch.Tensor) else t for name, t in tables.items()}
     with pytest.raises(exc, match=match):
-        spec.mla_kv_quantize(*np_args, layout=layout)
+        spec.mla_kv_quantize(*np_args, layout=layout, **np_tables)
