@@ -84,7 +84,7 @@ from torch import Tensor
 import dispatch as _dispatch
 from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
-from spec.mla_kv import MLA_KV_LAYOUTS, mla_kv_axes, validate_mla_kv_quantize
+from spec.mla_kv import MLA_KV_LAYOUTS, mla_kv_axes, validate_mla_kv_quantize, validate_mla_kv_tables
 from spec.mxtensor import MXTensor
 
 __all__ = [
@@ -853,24 +853,37 @@ def cat_mx(tensors: Sequence[MXTensor], dim: int) -> MXTensor:
 _NOPE_DIM = MLA_QK_HEAD_DIM - MLA_ROPE_DIM  # 128
 
 
-def _check_kv(k_nope, k_pe, v, layout) -> Tuple[int, int]:
+def _check_kv(k_nope, k_pe, v, layout, cos=None, sin=None) -> Tuple[int, int]:
     """(sequence axis, head axis) of the mla_kv_mxfp8 operands: torch tensors on one device, and what
     spec.mla_kv's validator checks (also on the compile and subclass paths, which do not reach
     `mla_kv_quantize`); raises naming the argument otherwise."""
     if not isinstance(layout, str) or layout not in MLA_KV_LAYOUTS:
         raise ValueError(f"layout: expected one of {', '.join(MLA_KV_LAYOUTS)}, got {layout!r}")
-    for name, t in (("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
+    named = [("k_nope", k_nope), ("k_pe", k_pe), ("v", v)]
+    named += [(name, t) for name, t in (("cos", cos), ("sin", sin)) if t is not None]
+    for name, t in named:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    validate_mla_kv_quantize(k_nope, k_pe, v, layout)
-    if len({k_nope.device, k_pe.device, v.device}) != 1:
-        raise ValueError(f"k_nope, k_pe, v: expected one device, got {k_nope.device}, {k_pe.device}, {v.device}")
+    if torch.compiler.is_compiling():
+        # spec.rope's validator reads a context variable that dynamo cannot trace; the rope op checks
+        # the tables against k_pe when the graph runs, as every wrapper's custom op does
+        validate_mla_kv_quantize(k_nope, k_pe, v, layout)
+        validate_mla_kv_tables(cos, sin)
+    else:
+        validate_mla_kv_quantize(k_nope, k_pe, v, layout, cos, sin)
+    if len({t.device for _, t in named}) != 1:
+        raise ValueError(f"{', '.join(name for name, _ in named)}: expected one device, got "
+                         f"{', '.join(str(t.device) for _, t in named)}")
     return mla_kv_axes(layout)
 
 
-def _kv_composed(k_nope, k_pe, v, seq, head, backend):
-    """mla_kv_mxfp8 from the custom ops (compile tracing, tensor subclasses): k quantized from the bf16
-    concatenation (the same bytes: every block lies inside one part)."""
+def _kv_composed(k_nope, k_pe, v, layout, backend, cos=None, sin=None):
+    """mla_kv_mxfp8 from the custom ops (compile tracing, tensor subclasses): k_pe rotated by the rope op
+    when tables are given, then k quantized from the concatenation (the same bytes: every block lies
+    inside one part)."""
+    seq, _ = mla_kv_axes(layout)
+    if cos is not None:
+        k_pe = rope(k_pe, cos, sin, style="mla", layout=layout, backend=backend)
     k = torch.cat([k_nope, k_pe.expand(tuple(k_nope.shape[:-1]) + (MLA_ROPE_DIM,))], dim=-1)
     return mxfp8_quantize(k, axis=-1, backend=backend), mxfp8_quantize(v, axis=seq, backend=backend)
 
@@ -878,16 +891,18 @@ def _kv_composed(k_nope, k_pe, v, seq, head, backend):
 class _KVQuant(torch.autograd.Function):
     """The eager mla_kv_mxfp8: one `dispatch.run("mla_kv_quantize", ...)` under one graph node (the
     composition's gradients, computed the same way: slices, the sum over heads that expand's backward
-    takes, casts to the inputs' dtypes)."""
+    takes, casts to the inputs' dtypes, and rope_backward when the op rotated k_pe)."""
 
     @staticmethod
-    def forward(ctx, k_nope, k_pe, v, layout, head, backend):
-        kq, vq = _dispatch.run("mla_kv_quantize", k_nope, k_pe, v, layout=layout, backend=backend)
+    def forward(ctx, k_nope, k_pe, v, cos, sin, layout, head, backend):
+        kq, vq = _dispatch.run("mla_kv_quantize", k_nope, k_pe, v, layout=layout, cos=cos, sin=sin, backend=backend)
         shape = tuple(k_nope.shape[:-1])
         k_data, k_scale, v_data = kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8)
         ctx.mark_non_differentiable(k_data, k_scale, v_data, vq.scale)
         ctx.set_materialize_grads(False)
         ctx.head, ctx.pe_heads, ctx.dtypes = head, k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
+        ctx.layout, ctx.backend = layout, backend
+        ctx.save_for_backward(cos, sin)
         k_proxy = shared_grad_proxy(shape + (MLA_QK_HEAD_DIM,), k_nope.dtype, k_nope.device)
         v_proxy = shared_grad_proxy(v.shape, v.dtype, v.device)
         return k_proxy, k_data, k_scale, v_proxy, v_data, vq.scale
@@ -902,25 +917,35 @@ class _KVQuant(torch.autograd.Function):
             if ctx.pe_heads != dk.shape[ctx.head]:
                 dk_pe = dk_pe.sum(ctx.head, keepdim=True)
             dk_pe = dk_pe.to(pe_dtype)
-        return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype), None, None, None
+            cos, sin = ctx.saved_tensors
+            if cos is not None:
+                # the rope op's own backward, on the gradient it would receive in the composition
+                dk_pe = _dispatch.run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=ctx.layout,
+                                      out_dtype=_DTYPE_NAMES[pe_dtype], backend=ctx.backend)
+        return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype), None, None, None, None, None
 
 
-def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd",
-                 backend: Optional[str] = None) -> Tuple[MXTensor, MXTensor]:
+def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd", cos: Optional[Tensor] = None,
+                 sin: Optional[Tensor] = None, backend: Optional[str] = None) -> Tuple[MXTensor, MXTensor]:
     """MLA's key and value as attention's MXFP8 operands, tracked: k = [k_nope | k_pe] [..., H, 192]
-    blocked along D, where k_pe (RoPE already applied) is [..., 1, 64] shared by every head or
-    [..., H, 64]; v [..., H, 128] blocked along the sequence axis (bshd: 1, sbhd / thd: 0). e4m3,
-    rceil, saturate, compact scales: byte-equal to `mxfp8_quantize` of the concatenation and of v, with
-    gradients straight through to k_nope, k_pe (summed over the heads it is shared by) and v, as the
-    composition's. k_nope and v may be strided slices of one [..., H, 256] projection (read in place
-    where the backend can). A plain eager call is one graph node around one `mla_kv_quantize` op (on
-    the Triton backend one kernel launch writing k's and v's codes and scales; no bf16 concatenation is
-    written); compile tracing and tensor subclasses take the composition of the custom ops (quantize of
-    the concatenation and of v: the same bytes)."""
-    seq, head = _check_kv(k_nope, k_pe, v, layout)
-    if not _plain((k_nope, k_pe, v)):
-        return _kv_composed(k_nope, k_pe, v, seq, head, backend)
-    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, layout, head, backend)
+    blocked along D, where k_pe is [..., 1, 64] shared by every head or [..., H, 64]; v [..., H, 128]
+    blocked along the sequence axis (bshd: 1, sbhd / thd: 0). e4m3, rceil, saturate, compact scales:
+    byte-equal to `mxfp8_quantize` of the concatenation and of v, with gradients straight through to
+    k_nope, k_pe (summed over the heads it is shared by) and v, as the composition's. k_pe is taken with
+    RoPE applied, or with `cos` / `sin` ([max_positions, 64] tables) it is rotated here first, as
+    `rope(k_pe, cos, sin, style="mla", layout=layout)` would (each row at its sequence index; in thd
+    the whole T is one sequence): the same bytes and gradients as that rope followed by this call
+    without tables, k_pe's gradient going through `rope_backward`; the tables get none. k_nope and v
+    may be strided slices of one [..., H, 256] projection (read in place where the backend can). A
+    plain eager call is one graph node around one `mla_kv_quantize` op (on the Triton backend one
+    kernel launch writing k's and v's codes and scales, k_pe rotated in it; no bf16 concatenation is
+    written); compile tracing and tensor subclasses take the composition of the custom ops (rope, then
+    quantize of the concatenation and of v: the same bytes)."""
+    seq, head = _check_kv(k_nope, k_pe, v, layout, cos, sin)
+    if not _plain((k_nope, k_pe, v, cos, sin)):
+        return _kv_composed(k_nope, k_pe, v, layout, backend, cos, sin)
+    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, cos, sin, layout, head,
+                                                                        backend)
     return (TrackedMXTensor(k_data.view(torch.float8_e4m3fn), k_scale, k_data.dim() - 1, "e4m3", "compact", k_proxy),
             TrackedMXTensor(v_data.view(torch.float8_e4m3fn), v_scale, seq, "e4m3", "compact", v_proxy))
 

@@ -100,6 +100,13 @@ def golden_cases():
     k_pe_s = mags((32, 1, 1, 64), BF16)
     k_pe_s[2, 0, 0, 32:] = 0.0                             # an all-zero block of k_pe
     cases.append(("mla_kv_sbhd_shared", "mla_kv_quantize", (kv_s[..., :128], k_pe_s, v_s), dict(layout="sbhd")))
+    # k_pe rotated inside the op: the bshd case's inputs (stored once) with bf16 tables one row longer
+    # than the sequence; layout and tables positional, since kwargs hold JSON values only
+    cos_r = rng.uniform(-1, 1, (65, 64)).astype(np.float32).astype(BF16)
+    sin_r = rng.uniform(-1, 1, (65, 64)).astype(np.float32).astype(BF16)
+    sin_r[2, 7] = np.inf
+    cases.append(("mla_kv_bshd_shared_rope", "mla_kv_quantize",
+                  (kv[..., :128], k_pe, kv[..., 128:], "bshd", cos_r, sin_r), {}))
     return cases
 
 

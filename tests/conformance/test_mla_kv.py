@@ -4,13 +4,17 @@ Inputs: seeded rows at magnitudes 2^-30..2^30 with special values planted in k_n
 all-NaN and all-zero blocks, +-Inf, NaN, a subnormal, -0, one ulp under a power of two as a block's
 amax; v's along the sequence axis, the axis its blocks run on), k_nope and v as strided slices of one
 [..., H, 256] projection (as the block makes them), k_pe shared by every head or one per head, every
-layout, bf16 and float32 (strided) and float16 (contiguous). The op allocates its outputs, so there is
-no poisoned-output case. Bad arguments raise naming the argument, through the dispatcher and the spec.
+layout, bf16 and float32 (strided) and float16 (contiguous). With cos / sin tables (k_pe rotated in
+the op; float32 and bf16 tables with zeros, a subnormal, huge entries, +-Inf and NaN, contiguous and
+strided) the same cells against spec, whose result is rope's output quantized. The op allocates its
+outputs, so there is no poisoned-output case. Bad arguments raise naming the argument, through the
+dispatcher and the spec.
 """
 from __future__ import annotations
 
 import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -78,11 +82,13 @@ def _check(got, want, what):
     assert_bytes_equal(got.scale, want.scale, f"{what} scales")
 
 
-def _run_and_check(target, layout, k_nope, k_pe, v, np_kv, np_pe):
-    want_k, want_v = spec.mla_kv_quantize(np_kv[..., :128], np_pe, np_kv[..., 128:], layout=layout)
+def _run_and_check(target, layout, k_nope, k_pe, v, np_kv, np_pe, **tables):
+    """tables: cos and sin as torch tensors on the target's device, or nothing."""
+    np_tables = {name: to_numpy(t) for name, t in tables.items()}
+    want_k, want_v = spec.mla_kv_quantize(np_kv[..., :128], np_pe, np_kv[..., 128:], layout=layout, **np_tables)
     lead = LEAD[layout]
     assert want_k.data.shape == lead + (192,) and want_k.scale.shape == lead + (6,)
-    k, v = run_on(target, "mla_kv_quantize", k_nope, k_pe, v, layout=layout)
+    k, v = run_on(target, "mla_kv_quantize", k_nope, k_pe, v, layout=layout, **tables)
     _check(k, want_k, "k")
     _check(v, want_v, "v")
 
@@ -121,6 +127,74 @@ def test_equals_parts_quantized_apart(target):
     assert_bytes_equal(k.scale[..., 4:], kp.scale, "k_pe part scales")
 
 
+def _tables(rows, dtype, seed=0):
+    """cos, sin [rows, 64] in dtype (float32 or bfloat16): uniform in [-1, 1], asymmetric (a wrong
+    column or row shows), with zeros, -0, a subnormal, huge entries (products overflow), +-Inf and NaN."""
+    rng = np.random.default_rng(zlib.crc32(repr(("mla_kv tables", rows, dtype, seed)).encode()))
+    cos, sin = (rng.uniform(-1, 1, (rows, 64)).astype(np.float32) for _ in range(2))
+    cos[1, :4] = [0.0, -0.0, 2.0 ** -133, 2.0 ** 100]
+    sin[1, 32:34] = [-0.0, -2.0 ** 100]
+    sin[2, 5:8] = [np.inf, -np.inf, np.nan]
+    cos[3, 40] = np.nan
+    return cos.astype(DTYPES[dtype]), sin.astype(DTYPES[dtype])
+
+
+def _rope_inputs(layout, shared, dtype):
+    """_inputs plus, in k_pe, a NaN row (an all-NaN block after the rotation too) and +-the dtype's
+    largest finite value."""
+    kv, k_pe = _inputs(layout, shared, dtype)
+    pe = k_pe.reshape(-1, 64)
+    pe[4] = np.nan
+    big = float(ml_dtypes.finfo(DTYPES[dtype]).max)
+    pe[5, :3] = [big, -big, big]
+    return kv, k_pe
+
+
+# (layout, shared k_pe, dtype, table dtype): every layout and k_pe form, each dtype and table dtype
+ROPE_CELLS = [
+    ("bshd", True, "bfloat16", "float32"),
+    ("bshd", False, "float32", "bfloat16"),
+    ("sbhd", True, "float32", "float32"),
+    ("sbhd", False, "bfloat16", "bfloat16"),
+    ("thd", True, "bfloat16", "bfloat16"),
+    ("thd", False, "bfloat16", "float32"),
+]
+
+
+@pytest.mark.parametrize("layout, shared, dtype, table_dtype", ROPE_CELLS,
+                         ids=[f"{c[0]}-{'shared' if c[1] else 'per_head'}-{c[2]}-{c[3]}_tables" for c in ROPE_CELLS])
+def test_rope_bytes_equal_spec(target, layout, shared, dtype, table_dtype):
+    """k_pe rotated in the op (tables a few rows longer than the sequence), k_nope and v strided."""
+    kv, k_pe = _rope_inputs(layout, shared, dtype)
+    seq, _ = mla_kv_axes(layout)
+    dev = target[1]
+    cos, sin = (to_torch(t, dev) for t in _tables(LEAD[layout][seq] + 3, table_dtype))
+    kv_t = to_torch(kv, dev)
+    _run_and_check(target, layout, kv_t[..., :128], to_torch(k_pe, dev), kv_t[..., 128:], kv, k_pe, cos=cos, sin=sin)
+
+
+def test_rope_float16_contiguous(target):
+    kv, k_pe = _rope_inputs("bshd", True, "float16")
+    dev = target[1]
+    cos, sin = (to_torch(t, dev) for t in _tables(64, "float32"))
+    _run_and_check(target, "bshd", to_torch(np.ascontiguousarray(kv[..., :128]), dev), to_torch(k_pe, dev),
+                   to_torch(np.ascontiguousarray(kv[..., 128:]), dev), kv, k_pe, cos=cos, sin=sin)
+
+
+def test_rope_strided_tables(target):
+    """cos a column slice of a wider table, sin a transposed one: read through their strides."""
+    kv, k_pe = _rope_inputs("bshd", False, "bfloat16")
+    dev = target[1]
+    cos, sin = _tables(64, "float32", seed=2)
+    wide = to_torch(np.concatenate([sin, cos], axis=1), dev)  # [64, 128]
+    cos_t = wide[:, 64:]
+    sin_t = to_torch(np.ascontiguousarray(sin.T), dev).t()
+    assert cos_t.stride() == (128, 1) and sin_t.stride() == (1, 64)
+    kv_t = to_torch(kv, dev)
+    _run_and_check(target, "bshd", kv_t[..., :128], to_torch(k_pe, dev), kv_t[..., 128:], kv, k_pe, cos=cos_t,
+                   sin=sin_t)
+
+
 def _good():
     kv, k_pe = _inputs("bshd", True, "bfloat16")
     return to_torch(kv[..., :128]), to_torch(k_pe), to_torch(kv[..., 128:])
@@ -128,6 +202,10 @@ def _good():
 
 def _bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+def _f32(*shape):
+    return torch.zeros(*shape, dtype=torch.float32)
 
 
 BAD = [  # (change, exception, words the message starts with)
@@ -151,6 +229,18 @@ BAD = [  # (change, exception, words the message starts with)
      r"v: its sequence axis 1 \(bshd\) is blocked by 32; got length 48"),
     (dict(k_nope=_bf16(48, 2, 3, 128), k_pe=_bf16(48, 2, 3, 64), v=_bf16(48, 2, 3, 128), layout="sbhd"),
      ValueError, r"v: its sequence axis 0 \(sbhd\)"),
+    # the RoPE tables (the k_pe of _good has 64 positions)
+    (dict(cos=_f32(64, 64)), ValueError, "sin: RoPE of k_pe takes both tables; cos was given without sin"),
+    (dict(sin=_f32(64, 64)), ValueError, "cos: RoPE of k_pe takes both tables; sin was given without cos"),
+    (dict(cos="c", sin=_f32(64, 64)), TypeError, "cos: expected a NumPy array or torch tensor"),
+    (dict(cos=_f32(64, 32), sin=_f32(64, 32)), ValueError, r"cos: expected tables \[max_positions, 64\]"),
+    (dict(cos=_f32(64, 128), sin=_f32(64, 128)), ValueError, r"cos: expected tables \[max_positions, 64\]"),
+    (dict(cos=_f32(1, 64, 64), sin=_f32(1, 64, 64)), ValueError, "cos: expected 2 dimensions"),
+    (dict(cos=_f32(64, 64), sin=_f32(65, 64)), ValueError, "cos and sin: expected equal shapes"),
+    (dict(cos=_f32(64, 64).half(), sin=_f32(64, 64).half()), TypeError, r"cos: expected dtype in \('float32', 'bfloat16'\)"),
+    (dict(cos=_f32(64, 64), sin=_f32(64, 64).to(torch.int32)), TypeError, r"sin: expected dtype in \('float32', 'bfloat16'\)"),
+    (dict(cos=_f32(64, 64), sin=_bf16(64, 64)), TypeError, r"sin: expected the dtype of cos \(float32\)"),
+    (dict(cos=_f32(63, 64), sin=_f32(63, 64)), ValueError, "cos: tables have 63 rows but a token needs position 63"),
 ]
 
 
@@ -162,11 +252,14 @@ def test_bad_arguments(change, exc, match):
     args = dict(k_nope=k_nope, k_pe=k_pe, v=v, layout="bshd")
     args.update(change)
     layout = args.pop("layout")
+    tables = {name: args[name] for name in ("cos", "sin") if name in args}
     with pytest.raises(exc, match=match):
-        dispatch.run("mla_kv_quantize", args["k_nope"], args["k_pe"], args["v"], layout=layout, backend="torch")
+        dispatch.run("mla_kv_quantize", args["k_nope"], args["k_pe"], args["v"], layout=layout, backend="torch",
+                     **tables)
     with pytest.raises(exc, match=match):
-        spec.validate_mla_kv_quantize(args["k_nope"], args["k_pe"], args["v"], layout)
+        spec.validate_mla_kv_quantize(args["k_nope"], args["k_pe"], args["v"], layout, **tables)
     # the spec on NumPy arrays fails the same way (a dtype NumPy lacks aside)
     np_args = [to_numpy(a) if isinstance(a, torch.Tensor) else a for a in (args["k_nope"], args["k_pe"], args["v"])]
+    np_tables = {name: to_numpy(t) if isinstance(t, torch.Tensor) else t for name, t in tables.items()}
     with pytest.raises(exc, match=match):
-        spec.mla_kv_quantize(*np_args, layout=layout)
+        spec.mla_kv_quantize(*np_args, layout=layout, **np_tables)
