@@ -48,6 +48,7 @@ cases = {
     "mla_attention run": lambda: dispatch.run("mla_attention", q4, k_mx, v_mx, causal=True, layout="bshd"),
     "rope k_pe autograd": lambda: ag.rope(kd[:, :, :1, 128:].contiguous(), cos, sin, layout="bshd"),
     "mla_kv_mxfp8 autograd": lambda: ag.mla_kv_mxfp8(kv_up[..., :128], k_pe, kv_up[..., 128:]),
+    "mla_kv_mxfp8 +rope autograd": lambda: ag.mla_kv_mxfp8(kv_up[..., :128], k_pe, kv_up[..., 128:], cos=cos, sin=sin),
 }
 from dispatch.warmup import wait_background_compiles  # noqa: E402
 
