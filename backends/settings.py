@@ -36,6 +36,11 @@ class Switch:
 SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_BACKEND", None, "auto", "dispatch (grammar: dispatch/policy.py)",
            "which backend serves each op; docs/ARCHITECTURE.md, 'Selection grammar'"),
+    Switch("MXMLA_BACKGROUND_LOAD", FLAG, "1", "dispatch (at import)",
+           "1: importing dispatch starts one daemon thread that, on a machine with a CUDA device, imports the "
+           "backends (Triton, the cuDNN frontend, their kernel modules) and computes Triton's compiler "
+           "fingerprint, while the caller builds its model; the first op then waits only for what is left. "
+           "0: all of it happens in the first op"),
     Switch("MXMLA_CHECK_VALUES", FLAG, "0", "dispatch",
            "1: check index-tensor values (cu_seqlens, positions, start_positions) of CUDA calls too; each "
            "check copies them to the host, a device synchronisation per call. CPU calls are always checked"),

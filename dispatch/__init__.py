@@ -373,6 +373,18 @@ def clear_cache() -> None:
         _validated.clear()
 
 
+def _start_background_load() -> None:
+    try:
+        wanted = _settings.flag("MXMLA_BACKGROUND_LOAD")
+    except ValueError:  # a bad value raises at the first selection (settings.check_all), not at import
+        return
+    if wanted:
+        _backends.load_in_background()
+
+
+_start_background_load()
+
+
 __all__ = [
     "run", "validate", "select", "explain", "backends", "clear_cache", "BackendUnavailable", "DispatchConfigError",
     "ENV_VAR", "PRIORITY",

@@ -42,7 +42,7 @@ def gpu_lists(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(compile_ahead, "_jit_function", lambda name: jits[name])
-    monkeypatch.setattr(compile_ahead, "_triton_key", lambda: None)
+    monkeypatch.setattr(compile_ahead, "triton_fingerprint", lambda: None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("MXMLA_TRITON_COMPILE_AHEAD", raising=False)
     compile_ahead.reset()

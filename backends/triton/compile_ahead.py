@@ -287,7 +287,7 @@ def before_compile(kernel, args, kwargs) -> None:
         if (index, workloads[0]) in _started:
             return
         _started.add((index, workloads[0]))
-    _triton_key()
+    triton_fingerprint()
     for entry in lists["workloads"][workloads[0]]:
         key = (index, entry["call"])
         if entry["call"] == call or key in _pending:
@@ -295,7 +295,7 @@ def before_compile(kernel, args, kwargs) -> None:
         _pending[key] = _pool().submit(_compile, index, entry["compile"])
 
 
-def _triton_key() -> None:
+def triton_fingerprint() -> None:
     """Triton's compiler fingerprint (a hash of its sources and its 500 MB library, kept per process),
     computed once here: every thread's first compile or cache lookup needs it, and threads that start
     without it each compute it."""
