@@ -33,10 +33,12 @@ _background: list = []  # the one background loader thread, once started
 
 def _load_for_device() -> None:
     # Only where a CUDA device is: on a CPU machine the first op loads the backends itself, and no
-    # import runs beside the caller's (a test importing a kernel module directly, say).
+    # import runs beside the caller's (a test importing a kernel module directly, say). device_count
+    # asks NVML, which (unlike is_available) leaves the CUDA driver uninitialized, so a process that
+    # forks workers after importing dispatch can still use CUDA in them.
     import torch
 
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() < 1:
         return
     load()
     info = backend_infos().get("triton")

@@ -23,7 +23,7 @@ def test_load_for_device_loads_and_fingerprints_where_cuda_is(monkeypatch):
     import torch
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(backends, "load", lambda: calls.append("load"))
     monkeypatch.setattr(backends.settings, "interpret_mode", lambda: False)
     monkeypatch.setattr(backends, "backend_infos", lambda: {"triton": type("I", (), {"available": True})()})
@@ -38,7 +38,7 @@ def test_load_for_device_skips_the_fingerprint_when_interpreting(monkeypatch):
     import torch
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(backends, "load", lambda: calls.append("load"))
     monkeypatch.setattr(backends.settings, "interpret_mode", lambda: True)
     backends._load_for_device()
@@ -49,7 +49,7 @@ def test_load_for_device_does_nothing_without_cuda(monkeypatch):
     import torch
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(backends, "load", lambda: calls.append("load"))
     backends._load_for_device()
     assert calls == []
