@@ -36,7 +36,7 @@ the backward, while the GPU still runs it, instead of in the forward (`requantiz
 
 `plain_copies(w)` returns the same cached copies as plain MXTensors (no proxy) and `weight_grad` the
 gradient rule of the proxy (scatter back through `rows`, cast to w's dtype), for a graph node that
-takes w itself as an input.
+takes w itself as an input (dispatch.q_path: the query path with RMSNorm as one node).
 
 Fresh tensors are allocated on every re-quantization (never written in place), so a copy saved by an
 autograd graph still in flight stays valid after the weight changes.
