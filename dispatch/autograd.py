@@ -165,8 +165,9 @@ def _register_autograd(op, backward, setup_context) -> None:
     _EAGER_RULES[op] = (setup_context, backward)
 
 
-def _plain(args) -> bool:
-    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling."""
+def plain_eager(args) -> bool:
+    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling:
+    the calls that take the eager path (above), here and in the layers that build their own nodes."""
     if torch.compiler.is_compiling():
         return False
     for a in args:
@@ -201,7 +202,7 @@ class _EagerOp(torch.autograd.Function):
 def _call(op, *args):
     """op(*args) -- through _EagerOp (or, for an op without autograd, its function) for plain eager
     calls (see above). A List[Tensor] result comes back as a tuple on that path; callers index it."""
-    if _plain(args):
+    if plain_eager(args):
         if op in _EAGER_RULES:
             return _EagerOp.apply(op, *args)
         return op._init_fn(*args)
@@ -942,7 +943,7 @@ def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd", 
     written); compile tracing and tensor subclasses take the composition of the custom ops (rope, then
     quantize of the concatenation and of v: the same bytes)."""
     seq, head = _check_kv(k_nope, k_pe, v, layout, cos, sin)
-    if not _plain((k_nope, k_pe, v, cos, sin)):
+    if not plain_eager((k_nope, k_pe, v, cos, sin)):
         return _kv_composed(k_nope, k_pe, v, layout, backend, cos, sin)
     k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, cos, sin, layout, head,
                                                                         backend)

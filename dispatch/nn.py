@@ -22,7 +22,12 @@ Paths:
   TrackedMXTensor blocked along the head dim, which `MLAAttention` / `mla_attention` take as is.
 - "bf16": the same through bf16 ops: RMSNorm in torch (fp32 statistics, as HF's DeepseekV3RMSNorm),
   a bf16 GEMM, `dispatch.autograd.rope`; q is a bf16 tensor.
-Forward and backward run through `dispatch.autograd` (every op one `dispatch.run`, with `backend`).
+Forward and backward run through `dispatch.autograd` (every op one `dispatch.run`, with `backend`). A
+plain eager call of the mxfp8 path with a norm weight and the MXFP8 backward (quantize_grad=True) is
+one autograd node (`dispatch.q_path.rmsnorm_mla_q`: RMSNorm, the weight's cached copies and the fused
+op, with the composition's bytes and gradients) instead of three wrappers' worth of host time; compile
+tracing, tensor subclasses (DTensor, FakeTensor), no norm weight or the 16-bit backward take the
+composition.
 
 RoPE styles (`rope_style`; spec/rope.py has the formulas): "mla" takes each head's 64 RoPE features
 as interleaved pairs (x[2k], x[2k+1]) and writes the rotated pairs as halves -- DeepSeek's checkpoints
@@ -48,6 +53,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dispatch.autograd as mxag
+from dispatch.q_path import rmsnorm_mla_q
 from dispatch.weights import quantized_weight
 from spec.constants import MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
@@ -146,11 +152,15 @@ def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, nor
     if tokens % 32 or x2.shape[1] % 32:
         raise ValueError(f"x: the mxfp8 path needs the token count and K to be multiples of 32 (MXFP8 blocks), "
                          f"got {tokens} tokens of K = {x2.shape[1]}")
+    rows = neox_rows(heads, weight.device) if rope_style == "neox" else None
+    if norm_weight is not None and quantize_grad is True and mxag.plain_eager((x2, norm_weight, weight, cos_t, sin_t,
+                                                                                rows)):
+        q_row = rmsnorm_mla_q(x2, norm_weight, weight, cos_t, sin_t, eps=eps, rows=rows, backend=backend)
+        return mxag.reshape_mx(q_row, lead + (heads, MLA_QK_HEAD_DIM))
     if norm_weight is None:
         x_row, x_col = mxag.mxfp8_quantize(x2, axis=(1, 0), backend=backend)
     else:
         x_row, x_col, _ = mxag.rmsnorm_mxfp8(x2, norm_weight, eps=eps, backend=backend)
-    rows = neox_rows(heads, weight.device) if rope_style == "neox" else None
     w_row, w_col = quantized_weight(weight, backend=backend, rows=rows)
     q_row, _ = mxag.mla_q_uproj_rope_quant(x_row, w_row, cos_t, sin_t, quantize_grad=quantize_grad, x_t=x_col,
                                            w_n=w_col, backend=backend)

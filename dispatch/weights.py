@@ -34,6 +34,10 @@ without reading the whole weight; call `invalidate(w)` (or `invalidate()` for al
 step post-hook), so the next forward finds fresh copies: the quantization's host time then falls after
 the backward, while the GPU still runs it, instead of in the forward (`requantize(w)` does it once, now).
 
+`plain_copies(w)` returns the same cached copies as plain MXTensors (no proxy) and `weight_grad` the
+gradient rule of the proxy (scatter back through `rows`, cast to w's dtype), for a graph node that
+takes w itself as an input (dispatch.q_path: the query path with RMSNorm as one node).
+
 Fresh tensors are allocated on every re-quantization (never written in place), so a copy saved by an
 autograd graph still in flight stays valid after the weight changes.
 
@@ -61,8 +65,8 @@ from dispatch.policy import parse_backend_list
 from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize, shared_grad_proxy
 from spec.mxtensor import MXTensor
 
-__all__ = ["MXFP8Weight", "quantized_weight", "requantize", "quantize_after_step", "invalidate", "cached_copy",
-           "optimizer_generation"]
+__all__ = ["MXFP8Weight", "quantized_weight", "plain_copies", "weight_grad", "requantize", "quantize_after_step",
+           "invalidate", "cached_copy", "optimizer_generation"]
 
 _QUANT = dict(axis=(1, 0), elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
 
@@ -147,13 +151,20 @@ def _proxy_setup(ctx, inputs, output):
     ctx.save_for_backward(rows)
 
 
+def weight_grad(grad: Tensor, dtype: torch.dtype, rows: Optional[Tensor] = None) -> Tensor:
+    """The gradient w receives for `grad`, the gradient with respect to its copies' dequantized values
+    (w[rows] when rows are given): scattered back to w's rows, cast to w's dtype (`dtype`). It is the
+    rule of quantized_weight's proxy, for a graph node that reads `plain_copies` itself."""
+    if rows is not None:
+        grad = torch.empty_like(grad).index_copy_(0, rows, grad)
+    return grad.to(dtype)
+
+
 def _proxy_backward(ctx, grad):
     if grad is None:
         return None, None
     (rows,) = ctx.saved_tensors
-    if rows is not None:
-        grad = torch.empty_like(grad).index_copy_(0, rows, grad)
-    return grad.to(ctx.w_dtype), None
+    return weight_grad(grad, ctx.w_dtype, rows), None
 
 
 _weight_proxy_op.register_autograd(_proxy_backward, setup_context=_proxy_setup)
@@ -204,6 +215,18 @@ def _check_rows(rows, n: int) -> None:
         raise ValueError(f"rows: expected a permutation of range({n}) (each row of w exactly once)")
 
 
+def _cached(w: Tensor, backend: Optional[str], rows: Optional[Tensor]) -> MXFP8Weight:
+    """The cache entry of (w, backend, rows), made now when there is none or it is stale."""
+    key = _key(w, backend, rows)
+    with _lock:
+        entry = _cache.get(w)
+    if entry is None or entry.key != key:
+        entry = MXFP8Weight.quantize(w, backend, rows)
+        with _lock:
+            _cache[w] = entry
+    return entry
+
+
 def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = True,
                      rows: Optional[Tensor] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
     """(w_row, w_col) of weight w [N, K]: MXFP8 e4m3 rceil of w.to(bfloat16), blocked along K (axis 1)
@@ -223,19 +246,23 @@ def quantized_weight(w: Tensor, *, backend: Optional[str] = None, cache: bool = 
             rows = _replicated_like(rows, w)
         src = w if rows is None else w.index_select(0, rows)
         return mxfp8_quantize(src.to(torch.bfloat16), backend=backend, **_QUANT)
-    if cache:
-        key = _key(w, backend, rows)
-        with _lock:
-            entry = _cache.get(w)
-        if entry is None or entry.key != key:
-            entry = MXFP8Weight.quantize(w, backend, rows)
-            with _lock:
-                _cache[w] = entry
-    else:
-        entry = MXFP8Weight.quantize(w, backend, rows)
+    entry = _cached(w, backend, rows) if cache else MXFP8Weight.quantize(w, backend, rows)
     # the custom op for tensor subclasses (FakeTensor, ...), as dispatch.autograd's eager rule does
     plain = type(w) in (Tensor, torch.nn.Parameter)
     return entry.tracked(_EagerWeightProxy.apply(w, rows) if plain else _weight_proxy_op(w, rows))
+
+
+def plain_copies(w: Tensor, *, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> MXFP8Weight:
+    """The cached copies `quantized_weight(w, backend=backend, rows=rows)` returns tracked views of,
+    made now if w changed since they were (the same cache and staleness rules), as plain MXTensors
+    without a gradient proxy: for a graph node that reads the copies itself and gives w its gradient
+    through `weight_grad`, which saves the proxy's own autograd node per forward. A plain, non-DTensor
+    weight outside torch.compile only: the others are quantized per call by quantized_weight."""
+    _check_weight(w)
+    if _is_dtensor(w) or torch.compiler.is_compiling():
+        raise TypeError("w: plain_copies reads the cache of plain tensors; a DTensor or traced weight is "
+                        "quantized per call by quantized_weight")
+    return _cached(w, backend, rows)
 
 
 def requantize(w: Tensor, *, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> MXFP8Weight:

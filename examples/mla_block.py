@@ -15,11 +15,11 @@ The block (DeepSeek-V3 MLA, no residual, no KV cache):
     out   = o @ W_O^T                                        [T, hidden]
 
 Paths (--path):
-- mxfp8: RMSNorm(c_q) is `rmsnorm_mxfp8` (MXFP8 rowwise + columnwise), W_UQ is quantized from its bf16
-  copy rowwise and columnwise (straight-through) once per optimizer step, inside it
-  (dispatch.weights.quantize_after_step; the first forward quantizes on demand), the Q up-projection
-  is the fused
-  `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks its MXFP8 backward, on by default), k is
+- mxfp8: q is `dispatch.nn.mla_q_projection`: RMSNorm(c_q) is `rmsnorm_mxfp8` (MXFP8 rowwise +
+  columnwise), W_UQ is quantized from its bf16 copy rowwise and columnwise (straight-through) once per
+  optimizer step, inside it (dispatch.weights.quantize_after_step; the first forward quantizes on
+  demand), the Q up-projection is the fused `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks
+  its MXFP8 backward, on by default; with it the three are one autograd node), k is
   MXFP8 along D and v along S (`mla_kv_mxfp8`: one `mla_kv_quantize` writing k from k_nope and the
   shared k_pe broadcast over the heads, the bytes of quantizing the bf16 k), and `mla_attention`
   takes MXFP8 q, k, v.
@@ -63,7 +63,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dispatch  # noqa: E402
 import dispatch.autograd as mxag  # noqa: E402
-from dispatch.weights import quantize_after_step, quantized_weight, requantize  # noqa: E402
+from dispatch.nn import mla_q_projection  # noqa: E402
+from dispatch.weights import quantize_after_step, requantize  # noqa: E402
 
 NOPE_DIM, ROPE_DIM, V_DIM = 128, 64, 128
 QK_DIM = NOPE_DIM + ROPE_DIM
@@ -195,15 +196,11 @@ class MLABlock(torch.nn.Module):
             k = torch.cat([k_nope, k_pe.expand(b, s, cfg.heads, ROPE_DIM)], dim=-1)
             o, _ = mxag.mla_attention(q, k, v, causal=True, layout="bshd", backend=self.backend)
         else:
-            y_row, y_col, _ = mxag.rmsnorm_mxfp8(c_q, self.q_norm, eps=cfg.eps, backend=self.backend)
-            # made once per optimizer step (re-quantized when the weight's version changes)
-            w_row, w_col = quantized_weight(self.w_uq, backend=self.backend)
-            # the fused op takes cos/sin rows per token: token t of sequence b sits at position t % seq
-            cos_t, sin_t = (cos, sin) if b == 1 else (cos.repeat(b, 1), sin.repeat(b, 1))
-            q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos_t, sin_t,
-                                                   quantize_grad=self.quantize_grad, x_t=y_col, w_n=w_col,
-                                                   backend=self.backend)
-            q = mxag.reshape_mx(q_row, (b, s, cfg.heads, QK_DIM))
+            # RMSNorm to MXFP8, W_UQ's copies (made once per optimizer step) and the fused up-projection
+            # + RoPE + quantize: one autograd node for plain tensors (host time). cos / sin [S, 64] are
+            # the per-token rows of one sequence, broadcast over the batch
+            q = mla_q_projection(c_q.view(b, s, cfg.q_lora), self.w_uq, cos, sin, norm_weight=self.q_norm,
+                                 eps=cfg.eps, quantize_grad=self.quantize_grad, backend=self.backend)
             # k = [k_nope | rope(k_pe)] along D and v along S, from k_nope and v (slices of kv_up, read
             # in place) and the one shared k_pe, rotated in the same op: byte-equal to rope, then
             # quantizing the bf16 concatenation, which is never written

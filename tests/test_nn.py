@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 import dispatch
 import dispatch.autograd as mxag
 import dispatch.nn as mxnn
+import dispatch.weights as mxw
 from spec.mxtensor import MXTensor
 from tests.util import assert_bytes_equal
 
@@ -191,3 +193,200 @@ def test_bad_shapes_name_the_argument():
         mxnn.mla_q_projection(x[:, :20], w, cos[:, :20], sin[:, :20], path="mxfp8")
     with pytest.raises(ValueError, match="norm_weight: expected shape"):
         mxnn.mla_q_projection(x, w, cos, sin, norm_weight=torch.ones(3))
+
+
+# --------------------------------------------------------------------------------------------------
+# the mxfp8 path with RMSNorm as one autograd node (dispatch.q_path) against the composition
+# --------------------------------------------------------------------------------------------------
+
+_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+
+
+def _composition(x, w, cos, sin, norm_weight, eps, style, backend):
+    """mla_q_projection's mxfp8 path as the three autograd wrappers (rmsnorm_mxfp8, quantized_weight,
+    mla_q_uproj_rope_quant with the MXFP8 backward): what the one node must reproduce."""
+    lead, heads = tuple(x.shape[:-1]), w.shape[0] // 192
+    rows = mxnn.neox_rows(heads) if style == "neox" else None
+    y_row, y_col, _ = mxag.rmsnorm_mxfp8(x.reshape(-1, x.shape[-1]), norm_weight, eps=eps, backend=backend)
+    w_row, w_col = mxw.quantized_weight(w, backend=backend, rows=rows)
+    q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos, sin, quantize_grad=True, x_t=y_col, w_n=w_col,
+                                           backend=backend)
+    return mxag.reshape_mx(q_row, lead + (heads, 192))
+
+
+def _special_x(gen, dtype):
+    """[B, S, K]: rows at magnitudes 2^-20 .. 2^20, an all-zero row, +-0 and subnormals, and large
+    entries (2^60; 2^100, whose square overflows the fp32 sum of squares)."""
+    x = torch.randn(T, K, generator=gen) * torch.exp2(torch.randint(-20, 21, (T, 1), generator=gen).float())
+    x[5] = 0.0
+    x[9, :6] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0 ** -140, 1.0])
+    x[13, :3] = torch.tensor([2.0 ** 60, -(2.0 ** 60), 3.0])
+    x[17, 0] = 2.0 ** 100
+    return x.to(dtype).reshape(B, S, K)
+
+
+def _node_case(x_dtype, w_dtype, style, backend, heads=H, seed=0):
+    """(q codes, q scales, x grad, norm_weight grad, weight grad) of mla_q_projection (the node) and of
+    the composition, from the same inputs and the same (non-contiguous, bf16) gradient at q."""
+    gen = torch.Generator().manual_seed(seed)
+    x = _special_x(gen, x_dtype)
+    w = torch.nn.Parameter((torch.randn(heads * 192, K, generator=gen) * K ** -0.5).to(w_dtype))
+    gamma = torch.nn.Parameter(torch.rand(K, generator=gen) + 0.5)
+    with torch.no_grad():
+        gamma[:2] = torch.tensor([0.0, -1.0])
+    cos, sin = _tables(gen)
+    cos_t, sin_t = cos.repeat(B, 1), sin.repeat(B, 1)  # per-token rows [T, 64]
+    dq = (torch.randn(heads, B, S, 192, generator=gen)
+          * torch.exp2(torch.randint(-8, 9, (heads, B, S, 1), generator=gen).float())).bfloat16().permute(1, 2, 0, 3)
+    out = []
+    for fn in ("node", "composition"):
+        xi = x.clone().requires_grad_(True)
+        gamma.grad = w.grad = None
+        if fn == "node":
+            q = mxnn.mla_q_projection(xi, w, cos[None], sin[None], norm_weight=gamma, eps=1e-6, rope_style=style,
+                                      backend=backend)
+        else:
+            q = _composition(xi, w, cos_t, sin_t, gamma, 1e-6, style, backend)
+        assert isinstance(q, mxag.TrackedMXTensor) and q.shape == (B, S, heads, 192)
+        assert (q.axis, q.elem, q.scale_layout, q.grad_proxy.dtype) == (3, "e4m3", "compact", torch.bfloat16)
+        q.grad_proxy.backward(dq)
+        out.append((q.data, q.scale, xi.grad, gamma.grad, w.grad))
+    return out
+
+
+def _assert_same(node, composition, what):
+    names = ("q codes", "q scales", "x grad", "norm_weight grad", "weight grad")
+    for name, got, want in zip(names, node, composition):
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{what} {name}: {got.dtype} {got.shape}"
+        assert_bytes_equal(got, want, f"{what} {name}")  # bytes: NaN-safe torch.equal
+
+
+def _node_backward_names(q):
+    """Type names of the backward nodes between q's proxy and the leaves."""
+    names, todo, seen = set(), [q.grad_proxy.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("style", ["mla", "neox"])
+def test_q_node_equals_the_composition_torch(x_dtype, w_dtype, style):
+    """One node: the composition's forward bytes and gradients of x, norm_weight and weight (fp32 and
+    bf16 master weights; neox reorders the weight's rows and scatters its gradient back)."""
+    node, composition = _node_case(x_dtype, w_dtype, style, "torch", seed=10)
+    _assert_same(node, composition, f"{x_dtype} {w_dtype} {style}")
+    assert torch.isfinite(node[2].float()).all() and node[4].abs().sum() > 0  # the case is not degenerate
+
+
+@pytest.mark.skipif(not _TRITON, reason="CPU check through the Triton interpreter")
+@pytest.mark.parametrize("x_dtype, w_dtype, style", [(torch.bfloat16, torch.float32, "mla"),
+                                                     (torch.float32, torch.bfloat16, "neox")])
+def test_q_node_equals_the_composition_triton(x_dtype, w_dtype, style):
+    pytest.importorskip("triton")
+    node, composition = _node_case(x_dtype, w_dtype, style, "triton", heads=1, seed=11)
+    _assert_same(node, composition, f"triton {x_dtype} {w_dtype} {style}")
+
+
+def test_q_node_is_one_graph_node():
+    gen = torch.Generator().manual_seed(12)
+    m = _module("mxfp8")
+    x, cos, sin = _inputs(gen)
+    names = _node_backward_names(m(x.requires_grad_(True), cos, sin))
+    assert "_RMSNormMLAQBackward" in names
+    assert not names & {"_EagerOpBackward", "_EagerWeightProxyBackward"}, names
+
+
+def test_q_node_requantizes_a_weight_changed_in_place(monkeypatch):
+    """The node reads dispatch.weights' cache: an unchanged weight is quantized once, a weight written
+    in place (its version counter) is quantized again, and copies made by requantize are reused."""
+    quantized = []
+    real_run = dispatch.run
+
+    def run(op, *args, **kwargs):
+        if op == "mxfp8_quantize" and tuple(args[0].shape) == (N, K):
+            quantized.append(op)
+        return real_run(op, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "run", run)
+    gen = torch.Generator().manual_seed(13)
+    m = _module("mxfp8")
+    x, cos, sin = _inputs(gen)
+
+    def fresh():  # the uncached quantize of the weight as it is now
+        w_row = real_run("mxfp8_quantize", m.weight.detach().bfloat16(), axis=1, backend="torch")
+        rows = cos.expand(B, S, 64).reshape(T, 64), sin.expand(B, S, 64).reshape(T, 64)
+        y_row, _, _ = real_run("rmsnorm_mxfp8", x.reshape(T, K), m.norm_weight.detach(), eps=m.eps, backend="torch")
+        return real_run("mla_q_uproj_rope_quant", y_row, w_row, *rows, backend="torch")[0]
+
+    first = m(x, cos, sin)
+    m(x, cos, sin)
+    assert len(quantized) == 1
+    assert_bytes_equal(first.data.reshape(T, H, 192), fresh().data, "q before the write")
+    with torch.no_grad():
+        m.weight.mul_(-0.5)
+    second = m(x, cos, sin)
+    assert len(quantized) == 2
+    assert_bytes_equal(second.data.reshape(T, H, 192), fresh().data, "q after the in-place write")
+    entry = mxw.requantize(m.weight, backend="torch")
+    m(x, cos, sin)
+    assert len(quantized) == 3 and mxw.cached_copy(m.weight, "torch") is entry
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("case", ["quantize_grad=False", "no norm", "tensor subclass", "torch.compile"])
+def test_q_node_only_for_plain_eager_calls_with_norm_and_mxfp8_backward(case, monkeypatch):
+    """Everything else takes the composition; a tensor subclass or a compiled call gets the node's bytes."""
+    calls = []
+    real = mxnn.rmsnorm_mla_q
+    monkeypatch.setattr(mxnn, "rmsnorm_mla_q", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(14)
+    x, cos, sin = _inputs(gen)
+    w = torch.nn.Parameter(torch.randn(N, K, generator=gen) * K ** -0.5)
+    gamma = torch.nn.Parameter(torch.rand(K, generator=gen) + 0.5)
+    kwargs = dict(norm_weight=gamma, backend="torch")
+    node = mxnn.mla_q_projection(x, w, cos, sin, **kwargs)
+    assert len(calls) == 1
+    if case == "quantize_grad=False":
+        mxnn.mla_q_projection(x, w, cos, sin, quantize_grad=False, **kwargs)
+    elif case == "no norm":
+        mxnn.mla_q_projection(x, w, cos, sin, backend="torch")
+    elif case == "tensor subclass":
+        q = mxnn.mla_q_projection(x.as_subclass(_Subclass), w, cos, sin, **kwargs)
+        assert_bytes_equal(q.data.view(torch.uint8).as_subclass(torch.Tensor), node.data.view(torch.uint8), case)
+    else:
+        compiled = torch.compile(lambda *a, **k: mxag.mxfp8_dequantize(mxnn.mla_q_projection(*a, **k)),
+                                 backend="eager")
+        assert_bytes_equal(compiled(x, w, cos, sin, **kwargs), mxag.mxfp8_dequantize(node), case)
+    assert len(calls) == 1, f"{case}: the node ran"
+
+
+def test_q_node_argument_errors_name_the_argument():
+    gen = torch.Generator().manual_seed(15)
+    m = _module("mxfp8")
+    x, cos, sin = _inputs(gen)
+    with pytest.raises(TypeError, match="eps"):
+        mxnn.mla_q_projection(x, m.weight, cos, sin, norm_weight=m.norm_weight, eps="1e-6", backend="torch")
+    with pytest.raises(TypeError, match="quantize_grad"):
+        mxnn.mla_q_projection(x, m.weight, cos, sin, norm_weight=m.norm_weight, quantize_grad=1, backend="torch")
+    # the fused op's arguments are validated by dispatch.run inside the node, with the composition's message
+    errors = []
+    for fn in ("node", "composition"):
+        with pytest.raises((TypeError, ValueError)) as info:
+            if fn == "node":
+                mxnn.mla_q_projection(x, m.weight, cos.double(), sin.double(), norm_weight=m.norm_weight,
+                                      backend="torch")
+            else:
+                rows = cos.double().expand(B, S, 64).reshape(T, 64), sin.double().expand(B, S, 64).reshape(T, 64)
+                _composition(x, m.weight, *rows, m.norm_weight, m.eps, "mla", "torch")
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1] and "cos" in errors[0][1], errors

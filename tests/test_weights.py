@@ -10,6 +10,7 @@ import torch
 import dispatch
 import dispatch.autograd as mxag
 import dispatch.weights as mxw
+from spec.mxtensor import MXTensor
 from tests.util import assert_bytes_equal, random_magnitudes, special_values_f32
 
 N, K, T = 2 * 192, 64, 64  # two heads of the fused Q op, q_lora 64, 64 tokens
@@ -371,3 +372,26 @@ def test_quantize_after_step_rows_and_bad_arguments():
         mxw.quantize_after_step(opt, [w], backend="no_such_backend")
     entry = mxw.requantize(w)
     assert mxw.cached_copy(w) is entry
+
+
+def test_plain_copies_are_the_cache_entries_quantized_weight_returns(quantize_calls):
+    """The same cache and staleness rules, without a proxy; weight_grad is the proxy's gradient rule."""
+    gen = torch.Generator().manual_seed(40)
+    w = _weight(gen, torch.bfloat16)
+    rows = torch.randperm(N, generator=gen)
+    entry = mxw.plain_copies(w, rows=rows)
+    assert type(entry.row) is MXTensor and type(entry.col) is MXTensor
+    row, col = mxw.quantized_weight(w, rows=rows)
+    assert row.data is entry.row.data and col.scale is entry.col.scale and len(quantize_calls) == 1
+    assert mxw.plain_copies(w, rows=rows) is entry and mxw.cached_copy(w, rows=rows) is entry
+    g = (torch.randn(N, K, generator=gen) * 3.0).bfloat16()
+    row.grad_proxy.backward(g)
+    assert_bytes_equal(mxw.weight_grad(g, w.dtype, rows), w.grad, "weight_grad is the proxy's rule")
+    assert mxw.weight_grad(g, torch.float32).dtype == torch.float32
+    with torch.no_grad():
+        w.add_(1.0)
+    fresh = mxw.plain_copies(w, rows=rows)
+    assert fresh is not entry and len(quantize_calls) == 2
+    assert_bytes_equal(fresh.row.data, _uncached(w.detach()[rows])[0].data, "re-quantized after the write")
+    with pytest.raises(ValueError, match="w: expected a 2-D weight"):
+        mxw.plain_copies(torch.ones(N))
