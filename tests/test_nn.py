@@ -206,7 +206,7 @@ def _composition(x, w, cos, sin, norm_weight, eps, style, backend):
     """mla_q_projection's mxfp8 path as the three autograd wrappers (rmsnorm_mxfp8, quantized_weight,
     mla_q_uproj_rope_quant with the MXFP8 backward): what the one node must reproduce."""
     lead, heads = tuple(x.shape[:-1]), w.shape[0] // 192
-    rows = mxnn.neox_rows(heads) if style == "neox" else None
+    rows = mxnn.neox_rows(heads, w.device) if style == "neox" else None
     y_row, y_col, _ = mxag.rmsnorm_mxfp8(x.reshape(-1, x.shape[-1]), norm_weight, eps=eps, backend=backend)
     w_row, w_col = mxw.quantized_weight(w, backend=backend, rows=rows)
     q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos, sin, quantize_grad=True, x_t=y_col, w_n=w_col,
@@ -225,7 +225,7 @@ def _special_x(gen, dtype):
     return x.to(dtype).reshape(B, S, K)
 
 
-def _node_case(x_dtype, w_dtype, style, backend, heads=H, seed=0):
+def _node_case(x_dtype, w_dtype, style, backend, heads=H, seed=0, device="cpu"):
     """(q codes, q scales, x grad, norm_weight grad, weight grad) of mla_q_projection (the node) and of
     the composition, from the same inputs and the same (non-contiguous, bf16) gradient at q."""
     gen = torch.Generator().manual_seed(seed)
@@ -238,6 +238,10 @@ def _node_case(x_dtype, w_dtype, style, backend, heads=H, seed=0):
     cos_t, sin_t = cos.repeat(B, 1), sin.repeat(B, 1)  # per-token rows [T, 64]
     dq = (torch.randn(heads, B, S, 192, generator=gen)
           * torch.exp2(torch.randint(-8, 9, (heads, B, S, 1), generator=gen).float())).bfloat16().permute(1, 2, 0, 3)
+    if device != "cpu":
+        x, cos, sin, cos_t, sin_t, dq = (t.to(device) for t in (x, cos, sin, cos_t, sin_t, dq))
+        w = torch.nn.Parameter(w.detach().to(device))
+        gamma = torch.nn.Parameter(gamma.detach().to(device))
     out = []
     for fn in ("node", "composition"):
         xi = x.clone().requires_grad_(True)
@@ -292,6 +296,14 @@ def test_q_node_equals_the_composition_triton(x_dtype, w_dtype, style):
     pytest.importorskip("triton")
     node, composition = _node_case(x_dtype, w_dtype, style, "triton", heads=1, seed=11)
     _assert_same(node, composition, f"triton {x_dtype} {w_dtype} {style}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("x_dtype, w_dtype, style", [(torch.bfloat16, torch.float32, "mla"),
+                                                     (torch.float32, torch.bfloat16, "neox")])
+def test_q_node_equals_the_composition_triton_cuda(x_dtype, w_dtype, style):
+    node, composition = _node_case(x_dtype, w_dtype, style, "triton", seed=13, device="cuda")
+    _assert_same(node, composition, f"triton cuda {x_dtype} {w_dtype} {style}")
 
 
 def test_q_node_is_one_graph_node():
