@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The MXFP8 training path on one GPU in one call: the CUDA tests of the ops the block runs, then
 # bench_mla_q --mx (op level, in turns with cuBLAS) and bench_block (the block, in turns), a table last.
-#   tools/gpu_block.sh [phases...]   phases: test mla_q block first lines pretune record host hf parallel
+#   tools/gpu_block.sh [phases...]   phases: test mla_q block first lines pretune record cacheprobe host hf parallel
 #   (default: test mla_q block)
-# Knobs: BLOCK_ARGS (default --quick), LINES_ARGS, TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, LINES_CAP, HOST_CAP,
+# Knobs: BLOCK_ARGS (default --quick), LINES_ARGS, TEST_CAP, MLAQ_CAP, BLOCK_CAP, FIRST_CAP, LINES_CAP, PROBE_CAP, HOST_CAP,
 # HF_CAP, PAR_CAP
 # (seconds each, SIGINT at the cap), HF_ARGS (default --train 200). hf needs the wheels in .whl_hf carried.
 set -uo pipefail
@@ -69,6 +69,12 @@ for phase in ${*:-test mla_q block}; do
     summary+=("record compile lists rc=$? $((SECONDS-start)) s")
     mkdir -p "$OUT/pretuned" && cp backends/triton/pretuned/*.compile.json "$OUT/pretuned/" 2>/dev/null
     tail -8 "$OUT/record_$COMMIT.log"
+    ;;
+  cacheprobe)
+    # which Triton kernels a second process compiles again instead of loading from Triton's cache
+    timeout -s INT "${PROBE_CAP:-240}" python3 tools/triton_cache_probe.py > "$OUT/cache_probe_$COMMIT.log" 2>&1
+    summary+=("cache probe rc=$? $((SECONDS-start)) s")
+    tail -30 "$OUT/cache_probe_$COMMIT.log"
     ;;
   host)
     # where the MXFP8 forward's host time goes: each op's issue cost, then cProfile of one block forward
