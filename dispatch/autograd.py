@@ -871,7 +871,8 @@ def _check_kv(k_nope, k_pe, v, layout, cos=None, sin=None) -> Tuple[int, int]:
         validate_mla_kv_quantize(k_nope, k_pe, v, layout)
         validate_mla_kv_tables(cos, sin)
     else:
-        validate_mla_kv_quantize(k_nope, k_pe, v, layout, cos, sin)
+        # through dispatch.validate: cached per call signature, so a repeated forward skips the validators
+        _validate("mla_kv_quantize", k_nope, k_pe, v, layout=layout, cos=cos, sin=sin)
     if len({t.device for _, t in named}) != 1:
         raise ValueError(f"{', '.join(name for name, _ in named)}: expected one device, got "
                          f"{', '.join(str(t.device) for _, t in named)}")
