@@ -10,9 +10,9 @@
 # TRAIN_BUDGET_S seconds (the reference then trains as many steps and the summary says so).
 set -u
 cd "$(dirname "$0")/.."
-OUT_DIR="${OUT:-./gpu_out}"
-mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the carried wheels (nvidia-cudnn-frontend: without it the attention runs on the Triton kernels) and PYTHONPATH
+source tools/gpu_env.sh
+OUT_DIR="$OUT"
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-90}"
 TRAIN_TIMEOUT_S="${TRAIN_TIMEOUT_S:-130}"
 TRAIN_BUDGET_S="${TRAIN_BUDGET_S:-70}"
