@@ -1,13 +1,18 @@
-"""Which Triton kernels a second process compiles again instead of loading from Triton's on-disk cache.
+"""Which Triton kernels a later process compiles again instead of loading from Triton's on-disk cache,
+and which part of Triton's cache key differed.
 
-    python tools/triton_cache_probe.py [--path mxfp8] [--seq 4096]     # CUDA
+    python tools/triton_cache_probe.py [--path mxfp8] [--seq 4096] [--processes 4]     # CUDA
+    python tools/triton_cache_probe.py --smoke                                         # CPU, script check
 
 Runs the block's first step (examples/mla_block.py's MLABlock at the DeepSeek-V3 shape, one forward +
-backward) in two fresh processes that share one empty TRITON_CACHE_DIR, then lists the cache entries
-the second process added: a kernel named there was not found under the key the first process wrote.
-For each such kernel the metadata that differs from the first process's entry of the same name is
-printed (the key's inputs that Triton writes into the entry's JSON), so the differing part of the key
-can be read off.
+backward) in several fresh processes, one after another, sharing one empty TRITON_CACHE_DIR. Each
+process records every cache key Triton's compile() computes (it wraps the compiler's get_cache_key):
+the kernel, the thread, the key's hash (the cache entry's directory) and the key's parts -- the
+JITFunction's source key (its source, its callees', the constexpr globals), the specialization
+attributes, the signature, the constants, the backend's and the options' hashes, the environment.
+A key of a later process that no earlier process computed is a compilation again; for each one the
+parts that differ from the closest earlier key of the same kernel are printed. The probe also counts
+the cache entries each process added.
 """
 import argparse
 import json
@@ -20,8 +25,34 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = r"""
-import sys, torch
+import hashlib, json, sys, threading
 sys.path.insert(0, {root!r}); sys.path.insert(0, {examples!r})
+records = []
+try:
+    import triton.compiler.compiler as compiler
+    real_key = compiler.get_cache_key
+
+    def recorded_key(src, backend, options, env_vars):
+        key = real_key(src, backend, options, env_vars)
+        parts = {{}}
+        try:
+            fn = src.fn
+            get = lambda v: v.cache_key if hasattr(v, "cache_key") else str(v)
+            parts = dict(fn=fn.cache_key, attrs=str(src.attrs),
+                         signature=str([v for _, v in sorted(src.signature.items())]),
+                         constants="-".join(get(v) for _, v in sorted(src.constants.items())),
+                         backend=backend.hash(), options=options.hash(), env=str(sorted(env_vars.items())))
+            name = getattr(fn, "__name__", "?")
+        except Exception as exc:  # another Triton layout: the hash alone
+            name, parts = getattr(src, "name", "?"), dict(error=repr(exc))
+        records.append(dict(name=name, thread=threading.current_thread().name,
+                            hash=hashlib.sha256(key.encode("utf-8")).hexdigest(), parts=parts))
+        return key
+
+    compiler.get_cache_key = recorded_key
+except ImportError:
+    pass
+import torch
 import mla_block
 dev = {device!r}
 cfg = mla_block.replace(mla_block.CONFIGS[{config!r}], batch=1, seq={seq})
@@ -33,79 +64,61 @@ if dev == "cuda":
     torch.cuda.synchronize()
     from backends.triton import wait_background_compiles
     wait_background_compiles()
-# every JITFunction's source key (its own source, its callees', the constexpr globals): the part of
-# Triton's cache key that the entry's metadata does not show
-import json, importlib, pkgutil, backends.triton as bt
-keys = {{}}
-for info in pkgutil.iter_modules(bt.__path__):
-    mod = importlib.import_module("backends.triton." + info.name)
-    for name, obj in vars(mod).items():
-        fn = obj
-        while hasattr(fn, "fn") and not hasattr(fn, "cache_key"):
-            fn = fn.fn
-        if hasattr(fn, "cache_key") and getattr(fn, "__module__", "") == mod.__name__:
-            keys[mod.__name__ + "." + name] = fn.cache_key
-with open({keys_out!r}, "w") as fh:
-    json.dump(keys, fh)
+with open({records_out!r}, "w") as fh:
+    json.dump(records, fh)
 """
 
 
-def entries(cache: str) -> dict:
-    """{entry dir: (kernel name, metadata dict)} of a Triton cache directory."""
-    out = {}
-    for d in sorted(os.listdir(cache)):
-        full = os.path.join(cache, d)
-        if not os.path.isdir(full):
-            continue
-        for f in os.listdir(full):
-            if f.endswith(".json") and not f.startswith("__grp__"):
-                try:
-                    with open(os.path.join(full, f)) as fh:
-                        meta = json.load(fh)
-                except (OSError, ValueError):
-                    meta = {}
-                out[d] = (f[:-len(".json")], meta)
-    return out
+def entries(cache: str) -> set:
+    """Names of the cache entry directories of a Triton cache directory."""
+    if not os.path.isdir(cache):
+        return set()
+    return {d for d in os.listdir(cache) if os.path.isdir(os.path.join(cache, d))}
+
+
+def differing_parts(rec: dict, earlier: list) -> dict:
+    """The parts of rec's key that differ from the earlier key of the same kernel sharing most parts."""
+    same = [e for e in earlier if e["name"] == rec["name"]]
+    if not same:
+        return {"(no earlier key of this kernel)": (None, None)}
+    best = max(same, key=lambda e: sum(e["parts"].get(k) == v for k, v in rec["parts"].items()))
+    return {k: (best["parts"].get(k), v) for k, v in rec["parts"].items() if best["parts"].get(k) != v}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--path", default="mxfp8", choices=("mxfp8", "bf16"))
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="the small config on the CPU (checks the script only)")
     args = ap.parse_args()
     device, config, seq = ("cpu", "small", 32) if args.smoke else ("cuda", "deepseek", args.seq)
     with tempfile.TemporaryDirectory(prefix="mxmla_cache_probe_") as tmp:
         env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(tmp, "triton"), MXMLA_CACHE_DIR=os.path.join(tmp, "mx"))
-        seen, source_keys = {}, {}
-        for run in ("first", "second"):
-            keys_out = os.path.join(tmp, f"keys_{run}.json")
+        seen_entries, earlier = set(), []
+        for run in range(args.processes):
+            records_out = os.path.join(tmp, f"records_{run}.json")
             code = CHILD.format(root=ROOT, examples=os.path.join(ROOT, "examples"), seq=seq, path=args.path,
-                                device=device, config=config, keys_out=keys_out)
+                                device=device, config=config, records_out=records_out)
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
             wall = time.perf_counter() - t0
             if proc.returncode:
-                sys.exit(f"{run} process failed:\n{proc.stderr[-2000:]}")
-            now = entries(env["TRITON_CACHE_DIR"]) if os.path.isdir(env["TRITON_CACHE_DIR"]) else {}
-            added = {d: v for d, v in now.items() if d not in seen}
-            print(f"{run} process: {len(added)} cache entries added, {wall:.1f} s wall (start, import, one step)")
-            with open(keys_out) as fh:
-                source_keys[run] = json.load(fh)
-            if run == "second":
-                for d, (name, meta) in sorted(added.items(), key=lambda kv: kv[1][0]):
-                    print(f"  compiled again: {name} ({d})")
-                    for od, (oname, ometa) in seen.items():
-                        if oname != name:
-                            continue
-                        diff = {k: (ometa.get(k), meta.get(k)) for k in set(ometa) | set(meta)
-                                if ometa.get(k) != meta.get(k) and k != "hash"}
-                        print(f"    vs {od}: {json.dumps(diff, default=str)[:600]}")
-            seen = now
-        differ = sorted(k for k in source_keys["first"] if source_keys["first"][k] != source_keys["second"].get(k))
-        print(f"JIT functions whose source key differs between the processes: {len(differ)} of {len(source_keys['first'])}")
-        for k in differ:
-            print(f"  {k}")
+                sys.exit(f"process {run} failed:\n{proc.stderr[-2000:]}")
+            now = entries(env["TRITON_CACHE_DIR"])
+            with open(records_out) as fh:
+                records = json.load(fh)
+            known = {e["hash"] for e in earlier}
+            new = [r for r in records if r["hash"] not in known]
+            print(f"process {run}: {wall:.1f} s wall (start, import, one step); {len(records)} cache keys computed, "
+                  f"{len(new)} not computed by an earlier process; {len(now - seen_entries)} cache entries added")
+            if run:
+                for r in new:
+                    print(f"  new key: {r['name']} ({r['hash'][:16]}, thread {r['thread']})")
+                    for part, (before, after) in differing_parts(r, earlier).items():
+                        print(f"    {part}: {str(before)[:300]!s}  ->  {str(after)[:300]!s}")
+            seen_entries |= now
+            earlier += records
 
 
 if __name__ == "__main__":
