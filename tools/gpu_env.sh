@@ -3,9 +3,12 @@
 # on PYTHONPATH.
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-# Bytecode caches are written as Python does by default: without them every process compiles the
-# sources of what it imports again (sympy, imported by autograd's first backward: seconds of a first step)
 export PYTHONUNBUFFERED=1
+# The GPU image sets PYTHONDONTWRITEBYTECODE=1 and ships sympy without bytecode, so every process compiled
+# sympy's ~500 sources again on its first backward (1-2 s of every path's first step, the pure torch
+# one's too). A pip-installed environment has that bytecode: write it once here, as pip would.
+unset PYTHONDONTWRITEBYTECODE
+python3 -c "import sympy" 2>/dev/null
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site

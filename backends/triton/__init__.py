@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 
 from .. import registry
 from ..registry import declare_backend
@@ -32,5 +33,9 @@ else:
     for _info in pkgutil.iter_modules(__path__):
         if not _info.name.startswith("_") and not _info.name.endswith(GLUON_SUFFIX):
             importlib.import_module(f"{__name__}.{_info.name}")
+    from ._common import settle_cache_keys
+
+    for _name in sorted(m for m in sys.modules if m.startswith(__name__ + ".")):
+        settle_cache_keys(vars(sys.modules[_name]))
     if interpret_mode():
         registry.wrap_backend("triton", serialized)

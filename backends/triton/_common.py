@@ -408,3 +408,66 @@ def triton_reasons(*args: Any, min_capability: Optional[Tuple[int, int]] = None,
         else:
             reasons.append(f"unsupported device {dev}")
     return reasons
+
+
+# --------------------------------------------------------------------------------------------------
+# cache keys that do not depend on the order they were first computed in
+# --------------------------------------------------------------------------------------------------
+# Triton's on-disk cache key of a kernel holds its JITFunction's source key, which folds in the
+# constexpr globals its callees use. Triton 3.6 reads a callee's globals before computing that
+# callee's key, so a callee whose key no one has computed yet adds none: a kernel's key then depends
+# on which other kernels were hashed before it -- in a training step, on how the compile-ahead threads
+# and the caller's thread interleave -- and a second process can miss the entries the first one wrote
+# (on the H200 the quantize and kv kernels were compiled again in a second process this way). Computing
+# every key callees first makes each key the complete one whatever ran before: callers read finished
+# callees. Later Tritons compute the callee's key first; the walk is then only an early computation.
+_SETTLED: set = set()
+_SETTLE_LOCK = threading.Lock()
+
+
+def _callees(fn) -> List[Any]:
+    """The JIT functions fn's source names: its globals, and attributes of the modules it names."""
+    py = getattr(fn, "fn", None)
+    code = getattr(py, "__code__", None)
+    if code is None:
+        return []
+    names = set(code.co_names)
+    scope = dict(getattr(fn, "__globals__", {}))
+    closure = getattr(py, "__closure__", None) or ()
+    scope.update({n: c.cell_contents for n, c in zip(code.co_freevars, closure)})
+    found = []
+    for name in sorted(names):
+        val = scope.get(name)
+        if _is_jit(val):
+            found.append(val)
+        elif inspect.ismodule(val) and not val.__name__.startswith("triton"):
+            found.extend(v for v in (getattr(val, n, None) for n in sorted(names)) if _is_jit(v))
+    return found
+
+
+def _is_jit(obj) -> bool:
+    # looked up on the class: hasattr on the instance would compute the key (a property) out of order
+    return isinstance(getattr(type(obj), "cache_key", None), property) and hasattr(obj, "fn")
+
+
+def settle_cache_keys(namespace: dict) -> None:
+    """Compute the source key of every JIT function in `namespace` (a module's globals), callees first
+    (see above). Call at the end of a module defining kernels, before another thread can launch them."""
+    if interpret_mode():  # the interpreter keeps no compiled cache
+        return
+    with _SETTLE_LOCK:
+
+        def visit(fn):
+            if id(fn) in _SETTLED:
+                return
+            _SETTLED.add(id(fn))
+            for callee in _callees(fn):
+                visit(callee)
+            fn.cache_key  # noqa: B018 - computed and kept by Triton
+
+        for name in sorted(namespace):
+            obj = namespace[name]
+            while not _is_jit(obj) and hasattr(obj, "fn"):  # an autotuner or heuristics wrapper
+                obj = obj.fn
+            if _is_jit(obj) and getattr(obj, "__module__", None) == namespace.get("__name__"):
+                visit(obj)
