@@ -1,6 +1,7 @@
 """Triton cache keys of the package's kernels do not depend on the order they were first computed in
 (backends/triton/_common.py, settle_cache_keys): the walk computes callees before callers, never
-computes a key by merely inspecting an object, and importing the package (and a Gluon module) leaves
+computes a key by merely inspecting an object, leaves a key Triton refuses uncomputed (its launch
+raises), and importing the package (and a Gluon module) leaves
 every kernel's key computed. JIT source keys are pure Python (no GPU), so this runs compiled-mode Triton on the CPU in a
 child process (the test session runs the interpreter, where the walk does nothing)."""
 import os
@@ -43,6 +44,13 @@ def test_settle_computes_callees_first_and_inspection_computes_nothing(tmp_path)
             tl.store(p, middle(tl.load(p)))
 
         tuned = triton.heuristics({"UNUSED": lambda args: 1})(kernel)
+
+        def host_helper(x):
+            return x
+
+        @triton.jit
+        def broken(p):  # names a plain Python function: Triton refuses its key
+            tl.store(p, host_helper(tl.load(p)))
     """))
     proc = _run(f"""
         import sys
@@ -66,6 +74,13 @@ def test_settle_computes_callees_first_and_inspection_computes_nothing(tmp_path)
         print(order)
         assert order.index("leaf") < order.index("middle") < order.index("kernel"), order
         assert all(f.hash is not None for f in (kern_mod.leaf, kern_mod.middle, kern_mod.kernel))
+        assert kern_mod.broken.hash is None, kern_mod.broken.hash  # left for its launch to raise
+        try:
+            kern_mod.broken.cache_key
+        except RuntimeError:  # Triton 3.6 and 3.9: "Unsupported function referenced"
+            pass
+        else:
+            raise AssertionError("the broken kernel's key computed")
         print("OK")
     """)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]

@@ -463,7 +463,10 @@ def settle_cache_keys(namespace: dict) -> None:
             _SETTLED.add(id(fn))
             for callee in _callees(fn):
                 visit(callee)
-            fn.cache_key  # noqa: B018 - computed and kept by Triton
+            try:
+                fn.cache_key  # noqa: B018 - computed and kept by Triton
+            except Exception:  # noqa: BLE001 - the kernel's launch computes it again and raises there
+                fn.hash = None  # Triton leaves its recursion placeholder in place of a key that raised
 
         for name in sorted(namespace):
             obj = namespace[name]
