@@ -1,9 +1,9 @@
 """Triton cache keys of the package's kernels do not depend on the order they were first computed in
 (backends/triton/_common.py, settle_cache_keys): the walk computes callees before callers, never
 computes a key by merely inspecting an object, leaves a key Triton refuses uncomputed (its launch
-raises), and importing the package (and a Gluon module) leaves
-every kernel's key computed. JIT source keys are pure Python (no GPU), so this runs compiled-mode Triton on the CPU in a
-child process (the test session runs the interpreter, where the walk does nothing)."""
+raises), and importing the package (and a Gluon module) leaves every kernel's key computed, the same in
+two processes. JIT source keys are pure Python (no GPU), so this runs compiled-mode Triton on the CPU in
+a child process (the test session runs the interpreter, where the walk does nothing)."""
 import os
 import subprocess
 import sys
