@@ -71,7 +71,7 @@ for phase in ${*:-test mla_q block}; do
     tail -8 "$OUT/record_$COMMIT.log"
     ;;
   cacheprobe)
-    # which Triton kernels a second process compiles again instead of loading from Triton's cache
+    # cache keys a later process computes anew (a kernel compiled again), and the part of the key that differed
     timeout -s INT "${PROBE_CAP:-240}" python3 tools/triton_cache_probe.py > "$OUT/cache_probe_$COMMIT.log" 2>&1
     summary+=("cache probe rc=$? $((SECONDS-start)) s")
     tail -30 "$OUT/cache_probe_$COMMIT.log"

@@ -426,22 +426,21 @@ _SETTLE_LOCK = threading.Lock()
 
 
 def _callees(fn) -> List[Any]:
-    """The JIT functions fn's source names: its globals, and attributes of the modules it names."""
+    """The JIT functions fn's source names: its globals and closure variables, and attributes of the
+    modules it names."""
     py = getattr(fn, "fn", None)
     code = getattr(py, "__code__", None)
     if code is None:
         return []
-    names = set(code.co_names)
-    scope = dict(getattr(fn, "__globals__", {}))
-    closure = getattr(py, "__closure__", None) or ()
-    scope.update({n: c.cell_contents for n, c in zip(code.co_freevars, closure)})
+    names = sorted(set(code.co_names) | set(code.co_freevars))
+    closure = dict(zip(code.co_freevars, (c.cell_contents for c in py.__closure__ or ())))
     found = []
-    for name in sorted(names):
-        val = scope.get(name)
+    for name in names:
+        val = closure[name] if name in closure else fn.__globals__.get(name)
         if _is_jit(val):
             found.append(val)
         elif inspect.ismodule(val) and not val.__name__.startswith("triton"):
-            found.extend(v for v in (getattr(val, n, None) for n in sorted(names)) if _is_jit(v))
+            found.extend(v for v in (getattr(val, n, None) for n in names) if _is_jit(v))
     return found
 
 
