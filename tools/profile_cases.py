@@ -9,6 +9,7 @@
     python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
     python tools/profile_cases.py gemm_gluon [--tokens 4096]     # MXFP8 GEMM routes per Gluon config vs cuBLAS
     python tools/profile_cases.py gemm_gluon_launch              # three Gluon GEMM launches, for ncu
+    python tools/profile_cases.py mla_q_mx [--tokens 4096,16384]  # MXFP8-projection forward routes vs cuBLAS
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -409,10 +410,73 @@ def gemm_gluon_launch(tokens: int = 4096) -> None:
     torch.cuda.synchronize()
 
 
+def mla_q_mx(token_list) -> None:
+    """The fused forward with an MXFP8 projection (DeepSeek-V3 widths): gluon_mx per config and register
+    split (op, and kernel alone), the dequantized gluon_ws128 route, and the bf16 cuBLAS GEMM, timed in
+    turns (3 rounds, medians of do_bench); first each gluon_mx config's bytes against the dequantized
+    route's and its guard flag on this data."""
+    import triton
+
+    from backends.triton import mla_q as mq
+    from backends.triton import mla_q_gluon_mx as qm
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    splits = [qm.REGS] + [r for r in ((200, 112, 112), (184, 144, 144)) if r != qm.REGS]
+    for tokens in token_list:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x, w, xm, wm = _gemm_inputs(tokens, g)
+        angle = torch.rand(tokens, 64, generator=g).cuda()
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        ref = mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_ws128")
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        x16 = mq._mx_bf16(xm, flag)
+        ws, swr, swc, groups, swz = mq._scale_args(wm)
+        heads = w.shape[0] // 192
+        outs = [torch.empty((tokens, heads, 192), dtype=torch.uint8, device="cuda"),
+                torch.empty((tokens, heads, 6), dtype=torch.uint8, device="cuda"),
+                torch.empty((tokens, heads, 192), dtype=torch.uint8, device="cuda"),
+                torch.empty((tokens // 32, heads, 192), dtype=torch.uint8, device="cuda")]
+
+        def kernel(cfg, regs):
+            qm.REGS = regs
+            qm.launch(x16, wm.data.view(torch.uint8), ws, (swr, swc), groups, swz, False, (10, 246), cos, sin,
+                      *outs, flag, config=cfg)
+
+        fns = {"cuBLAS bf16": lambda: torch.matmul(x, w.t()),
+               "ws128 route (dequantized)": lambda: mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_ws128"),
+               "gluon_mx op": lambda: mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_mx")}
+        for regs in splits:
+            for cfg in qm.CONFIGS if regs == qm.REGS else qm.CONFIGS[:1]:
+                for o in outs:
+                    o.fill_(0xFF)
+                flag.zero_()
+                kernel(cfg, regs)
+                torch.cuda.synchronize()
+                same = [float((o == r.view(torch.uint8)).float().mean()) for o, r in
+                        zip(outs, (ref[0].data.view(torch.uint8), ref[0].scale, ref[1].data.view(torch.uint8),
+                                   ref[1].scale))]
+                tag = f"{'/'.join(map(str, regs))} " + " ".join(f"{k}={v}" for k, v in cfg.items())
+                print(f"check T={tokens} {tag}: flag {int(flag.item())}, bytes equal to the ws128 route "
+                      f"(row codes, row scales, col codes, col scales) {', '.join(f'{v:.6f}' for v in same)}")
+                fns[f"gluon_mx kernel {tag}"] = lambda c=cfg, r=regs: kernel(c, r)
+        qm.REGS = splits[0]
+        times = {name: [] for name in fns}
+        for _ in range(3):
+            for name, fn in fns.items():
+                times[name].append(ms(fn))
+        base = sorted(times["cuBLAS bf16"])[1]
+        for name, ts in times.items():
+            t = sorted(ts)[1]
+            print(f"T={tokens} {name:58s} {t:.4f} ms  this/cuBLAS {t / base:.3f}  "
+                  f"rounds {', '.join(f'{v:.4f}' for v in ts)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k",
-                                       "attn_fwd_configs", "gemm_gluon", "gemm_gluon_launch"])
+                                       "attn_fwd_configs", "gemm_gluon", "gemm_gluon_launch", "mla_q_mx"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -431,6 +495,8 @@ def main() -> None:
         attn_fwd_configs(int(args.tokens or 4096))
     elif args.case == "attn_dequant":
         attn_dequant(int(args.tokens or 4096))
+    elif args.case == "mla_q_mx":
+        mla_q_mx([int(t) for t in (args.tokens or "4096,16384").split(",")])
     elif args.case == "mla_q_parts":
         mla_q_parts([int(t) for t in (args.tokens or "4096,16384").split(",")])
     else:

@@ -594,7 +594,9 @@ GLUON_VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")
 # bench_mla_q.py --quick) the warp-specialized 128-token kernel ran 1.12x the cuBLAS GEMM at T = 4096
 # and 16384, its 64-token form 1.22-1.24x; the one-tile Gluon kernel is for naming only (0: below the
 # pointer kernel, which serves every call).
-FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0}
+# gluon_mx (mla_q_gluon_mx.py) is the MXFP8 projection's kernel (its reasons refuse bf16 operands): the
+# weight's codes widened in registers instead of a bf16 dequantization in memory.
+FORWARD_VARIANTS = {"gluon_mx": 50, "gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0}
 
 
 def _gluon_variant_reasons(variant, x, w) -> List[str]:
@@ -617,8 +619,22 @@ def _tma_reasons(x, w) -> List[str]:
     return reasons
 
 
+def _gluon_mx_reasons(x, w) -> List[str]:
+    """gluon_reasons, plus what the widened-weight kernel needs (mla_q_gluon_mx.reasons)."""
+    if not (isinstance(x, MXTensor) and isinstance(w, MXTensor)):
+        return ["gluon_mx is the MXFP8 projection's kernel: x and w must be MXTensors"]
+    reasons = gluon_reasons(x, w)
+    if reasons:
+        return reasons
+    from . import mla_q_gluon_mx
+
+    return mla_q_gluon_mx.reasons(tuple(x.data.shape), w.data, w.axis, w.data.shape[0] // _HEAD)
+
+
 def forward_variant_reasons(variant, x, w) -> List[str]:
     """Why forward kernel `variant` cannot run on x, w (empty: it can)."""
+    if variant == "gluon_mx":
+        return _gluon_mx_reasons(x, w)
     if variant in GLUON_VARIANTS:
         return _gluon_variant_reasons(variant, x, w)
     if variant == "tma":
@@ -681,6 +697,9 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
     if reasons:  # a named kernel runs or raises: never another one in its place
         raise ValueError(f"variant={variant!r} cannot run here: " + "; ".join(reasons))
     cos, sin = _unit_last(cos), _unit_last(sin)
+    if variant == "gluon_mx":
+        _launch_gluon_mx(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config)
+        return q_row, q_col
     if variant in GLUON_VARIANTS:
         from . import mla_q_gluon
 
@@ -707,6 +726,23 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
     w16, flag, (x16,) = _weight_bf16(w, also=(x,))  # one launch for both (host time: one launch less)
     mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
                        col_scale, config=config, variant=variant)
+    cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
+    cfg["ROPE_SPLIT"] = True
+    _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)
+
+
+def _launch_gluon_mx(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config):
+    """The MXFP8 projection on mla_q_gluon_mx's kernel: x dequantized to bf16 by the guarded flat pass,
+    the weight's codes widened in the kernel's registers (guarded there); the gated MXFP8 pointer kernel
+    recomputes everything when the guard was raised (as _launch_gluon_dequantized)."""
+    from . import mla_q_gluon_mx
+
+    flag = torch.zeros(1, dtype=torch.int32, device=x.data.device)
+    x16 = _mx_bf16(x, flag)
+    ws, swr, swc, w_groups, w_swz = _scale_args(w)
+    mla_q_gluon_mx.launch(x16, w.data.view(torch.uint8), ws, (swr, swc), w_groups, w_swz, w.elem == "e5m2",
+                          BF16_SAFE_SCALE_BYTES[w.elem], cos, sin, row_codes.view(torch.uint8), row_scale,
+                          col_codes.view(torch.uint8), col_scale, flag, config=config)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
     cfg["ROPE_SPLIT"] = True
     _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)

@@ -1,0 +1,315 @@
+"""The fused MLA Q forward with an MXFP8 projection as one Gluon kernel for sm90 (variant `gluon_mx`):
+the weight's e4m3 / e5m2 codes go from global memory to the tensor cores without a bf16 copy.
+
+Why: sm90 has no MXFP8 MMA, so the MXFP8 projection multiplies exact bf16 dequantizations. The
+`gluon_ws128` route (mla_q._launch_gluon_dequantized) writes the weight's dequantization to memory
+in a flat pass and reads it back: at [4096 x 1536] x [24576 x 1536] that pass (37.7 MB of codes read,
+75 MB of bf16 written and re-read by the GEMM) put the op at 1.20x the bf16 cuBLAS GEMM while the
+kernel alone ran 1.12x. Here the weight is the register operand of wgmma, widened from its codes
+(the main loop the MXFP8 GEMM's Gluon route runs, _gluon_mx.py), and only x (6.3 MB of codes) is
+dequantized by the guarded flat pass.
+
+Tiles: out^T, 128 features (weight rows) x 256 tokens. A head's 192 features are three 64-feature
+slabs (no-RoPE, no-RoPE, RoPE), so a 128-feature tile holds two slabs of one head or the ends of two
+heads; every slab lies in one consumer warpgroup's 64 rows, and slab s (global) is a RoPE part when
+s % 3 == 2. The two quantizations' blocks (32 features of a token; 32 tokens of a feature) and the
+RoPE pairs (features k and 32 + k of a RoPE part) never cross a slab.
+
+Partitions (one persistent program per SM):
+- producer (1 warp): TMA loads of x's bf16 [256, BLOCK_K] tiles and the codes' [128, BLOCK_K]
+  tiles into a ring of STAGES slots (_gluon_mx.producer);
+- two consumers (a warpgroup each, 64 feature rows of every tile): _gluon_mx.mainloop, then the
+  accumulator rounded once to bf16 (the spec's bf16 stage) and stored transposed into the warpgroup's
+  [256 tokens, 64 features] staging tile, handed over by mbarrier (stage_full / stage_free);
+- epilogue (a warpgroup): each staged slab in four 64-token chunks, in the layouts the bf16
+  projection's kernels use (mla_q_gluon.py: a quantization's block thread-local, RoPE eight threads a
+  token row), codes out by TMA from two alternating box pairs, scales by plain stores. The consumers
+  start the next tile's main loop as soon as their slab is staged, so the epilogue runs under MMAs.
+
+Guards (the gated pointer kernel recomputes the whole op when the flag is up): x's flat pass raises
+it for x's scale bytes outside BF16_SAFE_SCALE_BYTES and for non-finite values; the consumers raise
+it for the weight's scale bytes outside that range and for an accumulator not finite in bf16.
+
+Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py), T % 256 == 0, H even (N % 128 == 0), K % 32 == 0,
+K-blocked weight codes with K-contiguous 16-byte aligned rows.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._common import cdiv, fast_launch, sm_count, settle_cache_keys
+from ._gluon_compat import async_store, barrier, tile_coords
+from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, mainloop, max_nan, producer,
+                        raise_guard, row_state)
+from .mla_q_gluon import _codes, _scale_byte
+
+NUM_WARPS = 4
+# a ring stage is 40 KB at BLOCK_K 64 (32 KB of x, 8 KB of codes); beside it 2 x 32 KB of staging tiles,
+# 4 x 4 KB of code boxes and the 16 KB fp32 RoPE tile: 3 stages fit in 227 KB
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
+           dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
+# registers a thread per partition (consumer warpgroup, epilogue warpgroup, producer warp): the
+# consumers hold a [64, 256] fp32 accumulator and two A register sets
+REGS = (192, 128, 128)
+
+
+@gluon.jit
+def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, stage, stage_full, stage_free, b_scale_ptr,
+              flag_ptr, T, N, K, stride_sr, stride_sc, col_groups,
+              SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr):
+    """One warpgroup: its 64 feature rows of every tile (main loop), staged as bf16 [256 tokens, 64]."""
+    num_m = gl.cdiv(T, TILE_A)
+    num_n = gl.cdiv(N, TILE_B)
+    bad, amax = guard_state()
+    c = 0
+    n = 0  # tiles staged by this warpgroup (the staging tile's phase)
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        srow, sok = row_state(CID, b_scale_ptr, pid_n, N, stride_sr, col_groups, SWIZZLED)
+        acc, bad, c = mainloop(CID, a_ring, b_ring, ready, empty, c, srow, sok, bad, K, stride_sc,
+                               SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, ODD_STEPS)
+        amax = max_nan(amax, gl.reduce(gl.abs(acc), 1, max_nan))
+        o = acc.to(gl.bfloat16)
+        # the epilogue has read the previous tile's slab (a fresh barrier passes parity 1)
+        mbarrier.wait(stage_free.index(CID), (n & 1) ^ 1)
+        stage.store(gl.permute(o, (1, 0)))
+        barrier()  # every thread's part is written before the one arrive
+        mbarrier.arrive(stage_full.index(CID))
+        n += 1
+    raise_guard(flag_ptr, bad, amax)
+
+
+@gluon.jit
+def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_scale_ptr, m0, g0, N):
+    """A [32 tokens, 64 features] no-RoPE chunk (bf16, staged): both quantizations, codes by TMA."""
+    BM: gl.constexpr = 32
+    # rowwise: [32, 2 blocks, 32], one block per thread (two warps)
+    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [2, 1], [1, 0])
+    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [16, 2, 1], [2, 1, 1], [2, 1, 0])
+    v = gl.convert_layout(gl.reshape(chunk.load(row2d), [BM, 2, 32]), row_l, assert_trivial=True).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=2))
+    row_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, 64]), row2d, assert_trivial=True))
+    e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
+    rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
+    blk_e = gl.arange(0, 2, layout=gl.SliceLayout(0, e_layout))
+    gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (N // 32) + g0 // 32)[:, None] + blk_e[None, :], e.to(gl.uint8))
+    # columnwise: the chunk's 32 tokens are one block of each feature, one feature per thread
+    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [1, 2], [1, 0])
+    v = chunk.load(col2d).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=0))
+    col_box.store(_codes(v, e[None, :]))
+    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, col2d))
+    gl.store(col_scale_ptr + (m0 // 32) * N + feats, e.to(gl.uint8))
+    fence_async_shared()
+    barrier()
+    async_store(row_desc, [m0, g0], row_box)
+    async_store(col_desc, [m0, g0], col_box)
+
+
+@gluon.jit
+def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                col_scale_ptr, m0, g0, N, stride_cos, stride_sin):
+    """A [32 tokens, 64] RoPE-part chunk: RoPE (mla: interleaved pairs to halves, fp32, no FMA), both
+    quantizations of the fp32 results (columnwise through rope_f32), codes by TMA."""
+    BM: gl.constexpr = 32
+    HALF_R: gl.constexpr = 32
+    # 8 threads per token row, 4 pairs each: a warp holds 4 whole rows, so cos / sin load coalesced
+    pairs2d: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [2, 1], [1, 0])
+    pairs_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [2, 1, 1], [2, 1, 0])
+    half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
+    rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
+    rows_t = rows_h.to(gl.int64)[:, None]
+    k_h = gl.arange(0, HALF_R, layout=gl.SliceLayout(0, half_l))[None, :]
+    rs_ptrs = row_scale_ptr + rows_h.to(gl.int64) * (N // 32) + g0 // 32
+    staged = gl.convert_layout(gl.reshape(chunk.load(pairs2d), [BM, HALF_R, 2]), pairs_l, assert_trivial=True)
+    even, odd = gl.split(staged.to(gl.float32))
+    # left half, then right half (fewer values live at once); rowwise, each half is one block: amax
+    # over the row's 8 threads
+    cos_l = gl.load(cos_ptr + rows_t * stride_cos + k_h).to(gl.float32)
+    sin_l = gl.load(sin_ptr + rows_t * stride_sin + k_h).to(gl.float32)
+    left = even * cos_l - odd * sin_l
+    rope_f32.slice(0, HALF_R, dim=1).store(left)
+    e_l = _scale_byte(gl.max(gl.abs(left), axis=1))
+    row_box.slice(0, HALF_R, dim=1).store(_codes(left, e_l[:, None]))
+    gl.store(rs_ptrs, e_l.to(gl.uint8))
+    cos_r = gl.load(cos_ptr + rows_t * stride_cos + (HALF_R + k_h)).to(gl.float32)
+    sin_r = gl.load(sin_ptr + rows_t * stride_sin + (HALF_R + k_h)).to(gl.float32)
+    right = odd * cos_r + even * sin_r
+    rope_f32.slice(HALF_R, HALF_R, dim=1).store(right)
+    e_r = _scale_byte(gl.max(gl.abs(right), axis=1))
+    row_box.slice(HALF_R, HALF_R, dim=1).store(_codes(right, e_r[:, None]))
+    gl.store(rs_ptrs + 1, e_r.to(gl.uint8))
+
+    barrier()  # rope_f32 written by rows, read by columns below
+
+    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [1, 2], [1, 0])
+    v = rope_f32.load(col2d)
+    e = _scale_byte(gl.max(gl.abs(v), axis=0))
+    col_box.store(_codes(v, e[None, :]))
+    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, col2d))
+    gl.store(col_scale_ptr + (m0 // 32) * N + feats, e.to(gl.uint8))
+    fence_async_shared()
+    barrier()
+    async_store(row_desc, [m0, g0], row_box)
+    async_store(col_desc, [m0, g0], col_box)
+
+
+@gluon.jit
+def _slab(stage, stage_full, stage_free, CID: gl.constexpr, n, pid_m, slab, row_a, col_a, row_b, col_b, rope_f32,
+          row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin):
+    """The epilogue of one staged slab (features slab * 64 .. + 63, tokens pid_m * 256 .. + 255), in
+    eight 32-token chunks; chunk j writes box pair j % 2, whose stores of chunk j - 2 have been read."""
+    mbarrier.wait(stage_full.index(CID), n & 1)
+    g0 = slab * 64
+    rope = slab % 3 == 2
+    for ch in gl.static_range(8):
+        chunk = stage.slice(ch * 32, 32, dim=0)
+        m0 = pid_m * TILE_A + ch * 32
+        tma.store_wait(2)  # two chunks ago: this chunk's box pair has left (the last pair may be in flight)
+        barrier()  # ... for every thread, and every thread is past the previous chunk's rope_f32 reads
+        if ch % 2 == 0:
+            if rope:
+                _rope_chunk(chunk, row_a, col_a, rope_f32, row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                            col_scale_ptr, m0, g0, N, stride_cos, stride_sin)
+            else:
+                _nope_chunk(chunk, row_a, col_a, row_desc, col_desc, row_scale_ptr, col_scale_ptr, m0, g0, N)
+        else:
+            if rope:
+                _rope_chunk(chunk, row_b, col_b, rope_f32, row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr,
+                            col_scale_ptr, m0, g0, N, stride_cos, stride_sin)
+            else:
+                _nope_chunk(chunk, row_b, col_b, row_desc, col_desc, row_scale_ptr, col_scale_ptr, m0, g0, N)
+    barrier()  # every thread's reads of the slab are done before the one arrive
+    mbarrier.arrive(stage_free.index(CID))
+
+
+@gluon.jit
+def _epilogue(stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b, rope_f32, row_desc, col_desc,
+              cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin, GROUP_M: gl.constexpr):
+    """One warpgroup: both staged slabs of every tile of this program, in the consumers' tile order."""
+    num_m = gl.cdiv(T, TILE_A)
+    num_n = gl.cdiv(N, TILE_B)
+    n = 0
+    for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
+        _slab(stage0, stage_full, stage_free, 0, n, pid_m, pid_n * 2, row_a, col_a, row_b, col_b, rope_f32,
+              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin)
+        _slab(stage1, stage_full, stage_free, 1, n, pid_m, pid_n * 2 + 1, row_a, col_a, row_b, col_b, rope_f32,
+              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin)
+        n += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _mla_q_fwd_gluon_mx_kernel(
+    x_desc, w_desc, w_scale_ptr, flag_ptr, cos_ptr, sin_ptr, row_desc, col_desc, row_scale_ptr, col_scale_ptr,
+    T, N, K, stride_sr, stride_sc, col_groups, stride_cos, stride_sin,
+    SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr,
+    R_CONSUMER: gl.constexpr, R_EPILOGUE: gl.constexpr, R_PRODUCER: gl.constexpr,
+):
+    """Persistent (one program per SM): producer warp, two consumer warpgroups, epilogue warpgroup."""
+    a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_A, BLOCK_K], x_desc.layout)
+    b_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, TILE_B, BLOCK_K], w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stage_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    stage_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(stage_full.index(i), count=1)
+        mbarrier.init(stage_free.index(i), count=1)
+    # staging tiles: 128-byte rows, 16-byte vectors XOR-swizzled by row (the store from the accumulator
+    # goes through stmatrix; the epilogue's loads are the bf16 kernels' conflict-free ones)
+    stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    stage0 = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], stage_layout)
+    stage1 = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], stage_layout)
+    row_a = gl.allocate_shared_memory(gl.uint8, [32, 64], row_desc.layout)
+    col_a = gl.allocate_shared_memory(gl.uint8, [32, 64], col_desc.layout)
+    row_b = gl.allocate_shared_memory(gl.uint8, [32, 64], row_desc.layout)
+    col_b = gl.allocate_shared_memory(gl.uint8, [32, 64], col_desc.layout)
+    tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
+    rope_f32 = gl.allocate_shared_memory(gl.float32, [32, 64], tile32)
+    # every argument tuple written out in full (see gemm_gluon: constexprs must cross warp_specialize)
+    gl.warp_specialize([
+        (_consumer, (0, a_ring, b_ring, ready, empty, stage0, stage_full, stage_free, w_scale_ptr, flag_ptr,
+                     T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
+                     GROUP_M, ODD_STEPS)),
+        (_consumer, (1, a_ring, b_ring, ready, empty, stage1, stage_full, stage_free, w_scale_ptr, flag_ptr,
+                     T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
+                     GROUP_M, ODD_STEPS)),
+        (_epilogue, (stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b, rope_f32, row_desc,
+                     col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin,
+                     GROUP_M)),
+        (producer, (x_desc, w_desc, a_ring, b_ring, ready, empty, T, N, K, BLOCK_K, STAGES, GROUP_M)),
+    ], [4, 2, 1], [R_CONSUMER, R_EPILOGUE, R_PRODUCER])
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------------
+def reasons(x16_shape, w_codes, w_axis: int, heads: int) -> list:
+    """Why this kernel cannot run (empty: it can), beyond the MXFP8 projection's own checks: token and
+    head multiples, K-blocked weight codes TMA can address."""
+    out = []
+    tokens, k = x16_shape
+    if tokens % TILE_A_ROWS:
+        out.append(f"gluon_mx needs tokens % {TILE_A_ROWS} == 0, got {tokens}")
+    if heads % 2:
+        out.append(f"gluon_mx needs an even head count (128-feature tiles), got {heads}")
+    if w_axis != 1:
+        out.append(f"gluon_mx needs the weight blocked along K (axis 1), got axis {w_axis}")
+    if (w_codes.dim() != 2 or w_codes.stride(1) != 1 or w_codes.data_ptr() % 16 or w_codes.stride(0) % 16):
+        out.append("gluon_mx needs the weight's codes 2-D, K-contiguous, 16-byte aligned base and rows (TMA)")
+    if k % 8:
+        out.append(f"gluon_mx needs K % 8 == 0 (TMA rows of x's bf16 dequantization), got {k}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, bf16: bool):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if bf16 else gl.uint8)
+
+
+def _desc(t, block):
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                            _smem_layout(tuple(block), t.dtype == torch.bfloat16))
+
+
+def launch(x16, w_codes, w_scale, scale_strides, col_groups: int, swizzled: bool, is_e5m2: bool, safe_bytes,
+           cos, sin, row_codes, row_scale, col_codes, col_scale, flag, config=None):
+    """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
+    [T / 32, H, 192]) for x16 [T, K] bf16 (x's exact dequantization) and the weight's codes [H * 192, K]
+    (uint8 view) with its K-blocked scale bytes; *flag (int32) is raised for scale bytes outside
+    safe_bytes or an accumulator not finite in bf16 (the caller's exact kernel then recomputes)."""
+    cfg = dict(CONFIGS[0] if config is None else config)
+    if set(cfg) != set(CONFIGS[0]):
+        raise ValueError(f"config: the gluon_mx kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
+    if cfg["BLOCK_K"] not in (32, 64):
+        raise ValueError(f"config: BLOCK_K must be 32 or 64, got {cfg['BLOCK_K']}")
+    tokens, k = x16.shape
+    n = w_codes.shape[0]
+    bk = cfg["BLOCK_K"]
+    rc2 = row_codes.view(tokens, n)
+    cc2 = col_codes.view(tokens, n)
+    tiles = cdiv(tokens, TILE_A_ROWS) * cdiv(n, TILE_B_ROWS)
+    fast_launch(_mla_q_fwd_gluon_mx_kernel, (min(sm_count(x16.device), tiles),),
+                _desc(x16, [TILE_A_ROWS, bk]), _desc(w_codes, [TILE_B_ROWS, bk]), w_scale, flag, cos, sin,
+                _desc(rc2, [32, 64]), _desc(cc2, [32, 64]), row_scale, col_scale,
+                tokens, n, k, scale_strides[0], scale_strides[1], col_groups, cos.stride(0), sin.stride(0),
+                SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2), LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
+                BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(cdiv(k, bk) % 2 == 1),
+                R_CONSUMER=REGS[0], R_EPILOGUE=REGS[1], R_PRODUCER=REGS[2],
+                num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
+settle_cache_keys(globals())  # before a compile-ahead thread can hash these kernels (_common)
