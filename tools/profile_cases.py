@@ -423,7 +423,7 @@ def mla_q_mx(token_list) -> None:
     def ms(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
-    splits = [qm.REGS] + [r for r in ((200, 112, 112), (184, 144, 144)) if r != qm.REGS]
+    splits = [qm.REGS] + [r for r in ((192, 128), (200, 112), (184, 136)) if r != qm.REGS]
     for tokens in token_list:
         g = torch.Generator(device="cpu").manual_seed(0)
         x, w, xm, wm = _gemm_inputs(tokens, g)

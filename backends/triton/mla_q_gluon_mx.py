@@ -45,7 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, fast_launch, sm_count, settle_cache_keys
 from ._gluon_compat import async_store, barrier, tile_coords
-from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, mainloop, max_nan, producer,
+from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, issue_load, mainloop, max_nan,
                         raise_guard, row_state)
 from .mla_q_gluon import _codes, _scale_byte
 
@@ -54,19 +54,28 @@ NUM_WARPS = 4
 # 4 x 4 KB of code boxes and the 16 KB fp32 RoPE tile: 3 stages fit in 227 KB
 CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
            dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
-# registers a thread per partition (consumer warpgroup, epilogue warpgroup, producer warp): the
-# consumers hold a [64, 256] fp32 accumulator and two A register sets
-REGS = (192, 128, 128)
+# registers a thread per worker partition (consumer warpgroup 1, epilogue warpgroup; the default
+# partition, consumer warpgroup 0, gets the rest of the 64 K): the consumers hold a [64, 256] fp32
+# accumulator and two A register sets
+REGS = (192, 128)
 
 
 @gluon.jit
-def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, stage, stage_full, stage_free, b_scale_ptr,
-              flag_ptr, T, N, K, stride_sr, stride_sc, col_groups,
+def _consumer(CID: gl.constexpr, x_desc, w_desc, a_ring, b_ring, ready, empty, stage, stage_full, stage_free,
+              b_scale_ptr, flag_ptr, T, N, K, stride_sr, stride_sc, col_groups,
               SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr):
-    """One warpgroup: its 64 feature rows of every tile (main loop), staged as bf16 [256 tokens, 64]."""
+    """One warpgroup: its 64 feature rows of every tile (main loop), staged as bf16 [256 tokens, 64].
+    Warpgroup 0 also fills the ring (no producer warp: its registers go to the epilogue warpgroup)."""
     num_m = gl.cdiv(T, TILE_A)
     num_n = gl.cdiv(N, TILE_B)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    my_tiles = gl.cdiv(num_m * num_n - gl.program_id(0), gl.num_programs(0))
+    total = my_tiles * k_steps
+    if CID == 0:
+        for g in gl.static_range(STAGES):
+            issue_load(g, x_desc, w_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps, total,
+                       BLOCK_K, STAGES, GROUP_M)
     bad, amax = guard_state()
     c = 0
     n = 0  # tiles staged by this warpgroup (the staging tile's phase)
@@ -74,7 +83,8 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, stage, stage_full
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         srow, sok = row_state(CID, b_scale_ptr, pid_n, N, stride_sr, col_groups, SWIZZLED)
         acc, bad, c = mainloop(CID, a_ring, b_ring, ready, empty, c, srow, sok, bad, K, stride_sc,
-                               SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, ODD_STEPS)
+                               SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES, ODD_STEPS,
+                               1 - CID, x_desc, w_desc, num_m, num_n, total, GROUP_M)
         amax = max_nan(amax, gl.reduce(gl.abs(acc), 1, max_nan))
         o = acc.to(gl.bfloat16)
         # the epilogue has read the previous tile's slab (a fresh barrier passes parity 1)
@@ -88,11 +98,11 @@ def _consumer(CID: gl.constexpr, a_ring, b_ring, ready, empty, stage, stage_full
 
 @gluon.jit
 def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_scale_ptr, m0, g0, N):
-    """A [32 tokens, 64 features] no-RoPE chunk (bf16, staged): both quantizations, codes by TMA."""
-    BM: gl.constexpr = 32
-    # rowwise: [32, 2 blocks, 32], one block per thread (two warps)
-    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [2, 1], [1, 0])
-    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [16, 2, 1], [2, 1, 1], [2, 1, 0])
+    """A [64 tokens, 64 features] no-RoPE chunk (bf16, staged): both quantizations, codes by TMA."""
+    BM: gl.constexpr = 64
+    # rowwise: [64, 2 blocks, 32], one block per thread
+    row2d: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [4, 1], [1, 0])
+    row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [16, 2, 1], [4, 1, 1], [2, 1, 0])
     v = gl.convert_layout(gl.reshape(chunk.load(row2d), [BM, 2, 32]), row_l, assert_trivial=True).to(gl.float32)
     e = _scale_byte(gl.max(gl.abs(v), axis=2))
     row_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, 64]), row2d, assert_trivial=True))
@@ -100,13 +110,16 @@ def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_
     rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
     blk_e = gl.arange(0, 2, layout=gl.SliceLayout(0, e_layout))
     gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (N // 32) + g0 // 32)[:, None] + blk_e[None, :], e.to(gl.uint8))
-    # columnwise: the chunk's 32 tokens are one block of each feature, one feature per thread
-    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [1, 2], [1, 0])
-    v = chunk.load(col2d).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=0))
-    col_box.store(_codes(v, e[None, :]))
-    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, col2d))
-    gl.store(col_scale_ptr + (m0 // 32) * N + feats, e.to(gl.uint8))
+    # columnwise: [2 blocks of 32 tokens, 32, 64 features], one block per thread
+    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
+    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
+    v = gl.convert_layout(gl.reshape(chunk.load(col2d), [2, 32, 64]), col_l, assert_trivial=True).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, 64]), col2d, assert_trivial=True))
+    blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
+    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, ce_layout))
+    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
     fence_async_shared()
     barrier()
     async_store(row_desc, [m0, g0], row_box)
@@ -116,13 +129,13 @@ def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_
 @gluon.jit
 def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr,
                 col_scale_ptr, m0, g0, N, stride_cos, stride_sin):
-    """A [32 tokens, 64] RoPE-part chunk: RoPE (mla: interleaved pairs to halves, fp32, no FMA), both
+    """A [64 tokens, 64] RoPE-part chunk: RoPE (mla: interleaved pairs to halves, fp32, no FMA), both
     quantizations of the fp32 results (columnwise through rope_f32), codes by TMA."""
-    BM: gl.constexpr = 32
+    BM: gl.constexpr = 64
     HALF_R: gl.constexpr = 32
     # 8 threads per token row, 4 pairs each: a warp holds 4 whole rows, so cos / sin load coalesced
-    pairs2d: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [2, 1], [1, 0])
-    pairs_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [2, 1, 1], [2, 1, 0])
+    pairs2d: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    pairs_l: gl.constexpr = gl.BlockedLayout([1, 4, 2], [4, 8, 1], [4, 1, 1], [2, 1, 0])
     half_l: gl.constexpr = gl.SliceLayout(2, pairs_l)
     rows_h = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, half_l))
     rows_t = rows_h.to(gl.int64)[:, None]
@@ -149,12 +162,15 @@ def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, 
 
     barrier()  # rope_f32 written by rows, read by columns below
 
-    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [1, 2], [1, 0])
-    v = rope_f32.load(col2d)
-    e = _scale_byte(gl.max(gl.abs(v), axis=0))
-    col_box.store(_codes(v, e[None, :]))
-    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, col2d))
-    gl.store(col_scale_ptr + (m0 // 32) * N + feats, e.to(gl.uint8))
+    colr2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
+    colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    cre_layout: gl.constexpr = gl.SliceLayout(1, colr_l)
+    v = gl.convert_layout(gl.reshape(rope_f32.load(colr2d), [2, 32, 64]), colr_l, assert_trivial=True)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, 64]), colr2d, assert_trivial=True))
+    blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, cre_layout))
+    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, cre_layout))
+    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
     fence_async_shared()
     barrier()
     async_store(row_desc, [m0, g0], row_box)
@@ -165,13 +181,13 @@ def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, 
 def _slab(stage, stage_full, stage_free, CID: gl.constexpr, n, pid_m, slab, row_a, col_a, row_b, col_b, rope_f32,
           row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin):
     """The epilogue of one staged slab (features slab * 64 .. + 63, tokens pid_m * 256 .. + 255), in
-    eight 32-token chunks; chunk j writes box pair j % 2, whose stores of chunk j - 2 have been read."""
+    four 64-token chunks; chunk j writes box pair j % 2, whose stores of chunk j - 2 have been read."""
     mbarrier.wait(stage_full.index(CID), n & 1)
     g0 = slab * 64
     rope = slab % 3 == 2
-    for ch in gl.static_range(8):
-        chunk = stage.slice(ch * 32, 32, dim=0)
-        m0 = pid_m * TILE_A + ch * 32
+    for ch in gl.static_range(4):
+        chunk = stage.slice(ch * 64, 64, dim=0)
+        m0 = pid_m * TILE_A + ch * 64
         tma.store_wait(2)  # two chunks ago: this chunk's box pair has left (the last pair may be in flight)
         barrier()  # ... for every thread, and every thread is past the previous chunk's rope_f32 reads
         if ch % 2 == 0:
@@ -213,9 +229,10 @@ def _mla_q_fwd_gluon_mx_kernel(
     T, N, K, stride_sr, stride_sc, col_groups, stride_cos, stride_sin,
     SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr,
-    R_CONSUMER: gl.constexpr, R_EPILOGUE: gl.constexpr, R_PRODUCER: gl.constexpr,
+    R_CONSUMER: gl.constexpr, R_EPILOGUE: gl.constexpr,
 ):
-    """Persistent (one program per SM): producer warp, two consumer warpgroups, epilogue warpgroup."""
+    """Persistent (one program per SM): two consumer warpgroups (the first also loading), an epilogue
+    warpgroup."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_A, BLOCK_K], x_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, TILE_B, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -233,25 +250,24 @@ def _mla_q_fwd_gluon_mx_kernel(
     stage_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     stage0 = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], stage_layout)
     stage1 = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], stage_layout)
-    row_a = gl.allocate_shared_memory(gl.uint8, [32, 64], row_desc.layout)
-    col_a = gl.allocate_shared_memory(gl.uint8, [32, 64], col_desc.layout)
-    row_b = gl.allocate_shared_memory(gl.uint8, [32, 64], row_desc.layout)
-    col_b = gl.allocate_shared_memory(gl.uint8, [32, 64], col_desc.layout)
+    row_a = gl.allocate_shared_memory(gl.uint8, [64, 64], row_desc.layout)
+    col_a = gl.allocate_shared_memory(gl.uint8, [64, 64], col_desc.layout)
+    row_b = gl.allocate_shared_memory(gl.uint8, [64, 64], row_desc.layout)
+    col_b = gl.allocate_shared_memory(gl.uint8, [64, 64], col_desc.layout)
     tile32: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-    rope_f32 = gl.allocate_shared_memory(gl.float32, [32, 64], tile32)
+    rope_f32 = gl.allocate_shared_memory(gl.float32, [64, 64], tile32)
     # every argument tuple written out in full (see gemm_gluon: constexprs must cross warp_specialize)
     gl.warp_specialize([
-        (_consumer, (0, a_ring, b_ring, ready, empty, stage0, stage_full, stage_free, w_scale_ptr, flag_ptr,
-                     T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
+        (_consumer, (0, x_desc, w_desc, a_ring, b_ring, ready, empty, stage0, stage_full, stage_free, w_scale_ptr,
+                     flag_ptr, T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
                      GROUP_M, ODD_STEPS)),
-        (_consumer, (1, a_ring, b_ring, ready, empty, stage1, stage_full, stage_free, w_scale_ptr, flag_ptr,
-                     T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
+        (_consumer, (1, x_desc, w_desc, a_ring, b_ring, ready, empty, stage1, stage_full, stage_free, w_scale_ptr,
+                     flag_ptr, T, N, K, stride_sr, stride_sc, col_groups, SWIZZLED, IS_E5M2, LO, HI, BLOCK_K, STAGES,
                      GROUP_M, ODD_STEPS)),
         (_epilogue, (stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b, rope_f32, row_desc,
                      col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin,
                      GROUP_M)),
-        (producer, (x_desc, w_desc, a_ring, b_ring, ready, empty, T, N, K, BLOCK_K, STAGES, GROUP_M)),
-    ], [4, 2, 1], [R_CONSUMER, R_EPILOGUE, R_PRODUCER])
+    ], [4, 4], [R_CONSUMER, R_EPILOGUE])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -304,11 +320,11 @@ def launch(x16, w_codes, w_scale, scale_strides, col_groups: int, swizzled: bool
     tiles = cdiv(tokens, TILE_A_ROWS) * cdiv(n, TILE_B_ROWS)
     fast_launch(_mla_q_fwd_gluon_mx_kernel, (min(sm_count(x16.device), tiles),),
                 _desc(x16, [TILE_A_ROWS, bk]), _desc(w_codes, [TILE_B_ROWS, bk]), w_scale, flag, cos, sin,
-                _desc(rc2, [32, 64]), _desc(cc2, [32, 64]), row_scale, col_scale,
+                _desc(rc2, [64, 64]), _desc(cc2, [64, 64]), row_scale, col_scale,
                 tokens, n, k, scale_strides[0], scale_strides[1], col_groups, cos.stride(0), sin.stride(0),
                 SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2), LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
                 BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(cdiv(k, bk) % 2 == 1),
-                R_CONSUMER=REGS[0], R_EPILOGUE=REGS[1], R_PRODUCER=REGS[2],
+                R_CONSUMER=REGS[0], R_EPILOGUE=REGS[1],
                 num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
