@@ -179,13 +179,14 @@ def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, 
 
 @gluon.jit
 def _slab(stage, stage_full, stage_free, CID: gl.constexpr, n, pid_m, slab, row_a, col_a, row_b, col_b, rope_f32,
-          row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin):
+          row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin,
+          SKIP: gl.constexpr):
     """The epilogue of one staged slab (features slab * 64 .. + 63, tokens pid_m * 256 .. + 255), in
     four 64-token chunks; chunk j writes box pair j % 2, whose stores of chunk j - 2 have been read."""
     mbarrier.wait(stage_full.index(CID), n & 1)
     g0 = slab * 64
     rope = slab % 3 == 2
-    for ch in gl.static_range(4):
+    for ch in gl.static_range(0 if SKIP else 4):  # SKIP (profiling): the handoffs alone
         chunk = stage.slice(ch * 64, 64, dim=0)
         m0 = pid_m * TILE_A + ch * 64
         tma.store_wait(2)  # two chunks ago: this chunk's box pair has left (the last pair may be in flight)
@@ -208,7 +209,8 @@ def _slab(stage, stage_full, stage_free, CID: gl.constexpr, n, pid_m, slab, row_
 
 @gluon.jit
 def _epilogue(stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b, rope_f32, row_desc, col_desc,
-              cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin, GROUP_M: gl.constexpr):
+              cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin, GROUP_M: gl.constexpr,
+              SKIP: gl.constexpr):
     """One warpgroup: both staged slabs of every tile of this program, in the consumers' tile order."""
     num_m = gl.cdiv(T, TILE_A)
     num_n = gl.cdiv(N, TILE_B)
@@ -216,9 +218,9 @@ def _epilogue(stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b
     for tile in range(gl.program_id(0), num_m * num_n, gl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_m, num_n, GROUP_M)
         _slab(stage0, stage_full, stage_free, 0, n, pid_m, pid_n * 2, row_a, col_a, row_b, col_b, rope_f32,
-              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin)
+              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin, SKIP)
         _slab(stage1, stage_full, stage_free, 1, n, pid_m, pid_n * 2 + 1, row_a, col_a, row_b, col_b, rope_f32,
-              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin)
+              row_desc, col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, N, stride_cos, stride_sin, SKIP)
         n += 1
     tma.store_wait(0)
 
@@ -229,7 +231,7 @@ def _mla_q_fwd_gluon_mx_kernel(
     T, N, K, stride_sr, stride_sc, col_groups, stride_cos, stride_sin,
     SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, ODD_STEPS: gl.constexpr,
-    R_CONSUMER: gl.constexpr, R_EPILOGUE: gl.constexpr,
+    R_CONSUMER: gl.constexpr, R_EPILOGUE: gl.constexpr, EPILOGUE_SKIP: gl.constexpr = 0,
 ):
     """Persistent (one program per SM): two consumer warpgroups (the first also loading), an epilogue
     warpgroup."""
@@ -266,7 +268,7 @@ def _mla_q_fwd_gluon_mx_kernel(
                      GROUP_M, ODD_STEPS)),
         (_epilogue, (stage0, stage1, stage_full, stage_free, row_a, col_a, row_b, col_b, rope_f32, row_desc,
                      col_desc, cos_ptr, sin_ptr, row_scale_ptr, col_scale_ptr, T, N, stride_cos, stride_sin,
-                     GROUP_M)),
+                     GROUP_M, EPILOGUE_SKIP)),
     ], [4, 4], [R_CONSUMER, R_EPILOGUE])
 
 
@@ -302,11 +304,13 @@ def _desc(t, block):
 
 
 def launch(x16, w_codes, w_scale, scale_strides, col_groups: int, swizzled: bool, is_e5m2: bool, safe_bytes,
-           cos, sin, row_codes, row_scale, col_codes, col_scale, flag, config=None):
+           cos, sin, row_codes, row_scale, col_codes, col_scale, flag, config=None, epilogue_skip=False):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
     [T / 32, H, 192]) for x16 [T, K] bf16 (x's exact dequantization) and the weight's codes [H * 192, K]
     (uint8 view) with its K-blocked scale bytes; *flag (int32) is raised for scale bytes outside
-    safe_bytes or an accumulator not finite in bf16 (the caller's exact kernel then recomputes)."""
+    safe_bytes or an accumulator not finite in bf16 (the caller's exact kernel then recomputes).
+    epilogue_skip (profiling; its outputs are not the op's): the epilogue only hands the staging tiles
+    back, so the time is the main loop's and the staging's."""
     cfg = dict(CONFIGS[0] if config is None else config)
     if set(cfg) != set(CONFIGS[0]):
         raise ValueError(f"config: the gluon_mx kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
@@ -324,7 +328,7 @@ def launch(x16, w_codes, w_scale, scale_strides, col_groups: int, swizzled: bool
                 tokens, n, k, scale_strides[0], scale_strides[1], col_groups, cos.stride(0), sin.stride(0),
                 SWIZZLED=int(swizzled), IS_E5M2=int(is_e5m2), LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
                 BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"], ODD_STEPS=int(cdiv(k, bk) % 2 == 1),
-                R_CONSUMER=REGS[0], R_EPILOGUE=REGS[1],
+                R_CONSUMER=REGS[0], R_EPILOGUE=REGS[1], EPILOGUE_SKIP=int(epilogue_skip),
                 num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 

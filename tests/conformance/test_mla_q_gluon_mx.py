@@ -169,8 +169,9 @@ def _fake_mx(tokens, k=64, rows=192, axis=1, stride=None):
 
 
 def test_gluon_mx_reasons_and_selection(monkeypatch):
-    # capability mocked (no GPU here): the MXFP8 projection takes gluon_mx where its reasons are empty, a
-    # bf16 projection never; each unmet need is named.
+    # capability mocked (no GPU here): gluon_mx is named only (the automatic choice stays gluon_ws128,
+    # faster on the H200), its reasons are empty for an MXFP8 projection it can run and name each unmet
+    # need otherwise; a bf16 projection is refused.
     import backends.triton.mla_q as mod
 
     pytest.importorskip("backends.triton.mla_q_gluon_mx")
@@ -179,7 +180,7 @@ def test_gluon_mx_reasons_and_selection(monkeypatch):
     monkeypatch.setattr(mod, "gluon_reasons", lambda x, w: [])
     monkeypatch.setattr(mod, "MXTensor", _FakeMX)
     x, w = _fake_mx(256, rows=384)
-    assert mod.forward_variant(x, w) == "gluon_mx"
+    assert mod.forward_variant(x, w) == "gluon_ws128"
     assert mod.forward_variant_reasons("gluon_mx", x, w) == []
     bf = types.SimpleNamespace(shape=(256, 64), device=types.SimpleNamespace(type="cuda"))
     assert mod.forward_variant(bf, bf) == "gluon_ws128"

@@ -391,7 +391,7 @@ def test_gluon_ws128_selection_and_arguments(monkeypatch):
     assert mod.forward_variant_reasons("gluon_ws128", fake(256), fake(192)) == []
     assert mod.forward_variant_reasons("gluon_ws128", fake(192), fake(192)) == [
         "gluon_ws128 needs tokens % 128 == 0, got 192"]
-    with pytest.raises(ValueError, match="variant: expected one of gluon_mx, gluon_ws128, gluon_ws, tma, pointer, gluon"):
+    with pytest.raises(ValueError, match="variant: expected one of gluon_ws128, gluon_ws, tma, pointer, gluon, gluon_mx"):
         mod.forward_variant_reasons("ws128", fake(256), fake(192))
     try:
         import backends.triton.mla_q_gluon as qg
