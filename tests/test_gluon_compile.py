@@ -68,7 +68,7 @@ _CHILD = textwrap.dedent("""
         if name == "gluon_mx":
             cfg = dict(QM.CONFIGS[0]); bk = cfg["BLOCK_K"]
             types = {"x_desc": desc(torch.bfloat16, [256, bk]), "w_desc": desc(torch.uint8, [128, bk]),
-                     "row_desc": desc(torch.uint8, [32, 64]), "col_desc": desc(torch.uint8, [32, 64]),
+                     "row_desc": desc(torch.uint8, [64, 64]), "col_desc": desc(torch.uint8, [64, 64]),
                      "w_scale_ptr": "*u8", "flag_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                      "row_scale_ptr": "*u8", "col_scale_ptr": "*u8"}
             consts = dict(cfg, SWIZZLED=0, IS_E5M2=0, LO=10, HI=246, ODD_STEPS=0, R_CONSUMER=QM.REGS[0],
