@@ -72,7 +72,7 @@ _CHILD = textwrap.dedent("""
                      "w_scale_ptr": "*u8", "flag_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                      "row_scale_ptr": "*u8", "col_scale_ptr": "*u8"}
             consts = dict(cfg, SWIZZLED=0, IS_E5M2=0, LO=10, HI=246, ODD_STEPS=0, R_CONSUMER=QM.REGS[0],
-                          R_EPILOGUE=QM.REGS[1])
+                          R_EPILOGUE=QM.REGS[1], EPILOGUE_SKIP=0)
             out[name] = build(QM._mla_q_fwd_gluon_mx_kernel, types, consts,
                               ("w_scale_ptr", "flag_ptr", "cos_ptr", "sin_ptr", "row_scale_ptr", "col_scale_ptr",
                                "T", "N", "K"), QM.NUM_WARPS)
