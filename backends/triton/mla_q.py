@@ -595,8 +595,8 @@ GLUON_VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")
 # and 16384, its 64-token form 1.22-1.24x; the one-tile Gluon kernel is for naming only (0: below the
 # pointer kernel, which serves every call).
 # gluon_mx (mla_q_gluon_mx.py: the MXFP8 projection with the weight's codes widened in registers, no bf16
-# copy in memory; its reasons refuse bf16 operands) is named only: on the H200 (2026-12-03) it ran 1.59-1.66x
-# the cuBLAS GEMM at T = 4096 and 1.49-1.51x at 16384, against 1.20-1.23x / 1.08-1.11x for gluon_ws128 on
+# copy in memory; its reasons refuse bf16 operands) is named only: on the H200 (2026-12-03) it ran 1.55-1.66x
+# the cuBLAS GEMM at T = 4096 and 1.49-1.53x at 16384, against 1.20-1.23x / 1.08-1.11x for gluon_ws128 on
 # the exact dequantization (mla_q_gluon_mx.py has the figures).
 FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0, "gluon_mx": 0}
 

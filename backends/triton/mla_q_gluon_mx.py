@@ -15,16 +15,30 @@ heads; every slab lies in one consumer warpgroup's 64 rows, and slab s (global) 
 s % 3 == 2. The two quantizations' blocks (32 features of a token; 32 tokens of a feature) and the
 RoPE pairs (features k and 32 + k of a RoPE part) never cross a slab.
 
-Partitions (one persistent program per SM):
-- producer (1 warp): TMA loads of x's bf16 [256, BLOCK_K] tiles and the codes' [128, BLOCK_K]
-  tiles into a ring of STAGES slots (_gluon_mx.producer);
-- two consumers (a warpgroup each, 64 feature rows of every tile): _gluon_mx.mainloop, then the
+Partitions (one persistent program per SM, 12 warps):
+- two consumers (a warpgroup each, 64 feature rows of every tile): _gluon_mx.mainloop over a ring of
+  STAGES slots ([256, BLOCK_K] of x's bf16, [128, BLOCK_K] of the weight's codes), then the
   accumulator rounded once to bf16 (the spec's bf16 stage) and stored transposed into the warpgroup's
-  [256 tokens, 64 features] staging tile, handed over by mbarrier (stage_full / stage_free);
+  [256 tokens, 64 features] staging tile, handed over by mbarrier (stage_full / stage_free).
+  Consumer 0 also issues the ring's TMA loads (_gluon_mx.issue_load of step j + STAGES once step j is
+  freed by both): there is no producer warp, because a fourth warpgroup does not fit the register file
+  beside two 128-register accumulators (16 warps cap ptxas at 128 registers a thread before setmaxnreg
+  applies: ptxas C7602), and a producer warp sharing the epilogue's warpgroup leaves the epilogue two
+  warps, which ran 2.1-2.8x the cuBLAS GEMM;
 - epilogue (a warpgroup): each staged slab in four 64-token chunks, in the layouts the bf16
   projection's kernels use (mla_q_gluon.py: a quantization's block thread-local, RoPE eight threads a
-  token row), codes out by TMA from two alternating box pairs, scales by plain stores. The consumers
-  start the next tile's main loop as soon as their slab is staged, so the epilogue runs under MMAs.
+  token row), codes out by TMA from two alternating box pairs, scales by plain stores, while the
+  consumers run the next tile's main loop.
+
+Measured (H200, 2026-12-03, `tools/profile_cases.py mla_q_mx`, in turns with cuBLAS; BENCHMARKS.md):
+byte-identical to the gluon_ws128 route on the benchmark's data, guard down, but **1.55-1.66x** the
+bf16 cuBLAS GEMM at T = 4096 and 1.49-1.53x at 16384, against 1.20-1.23x / 1.08-1.11x for gluon_ws128
+on the exact dequantization; hence registered for naming only (mla_q.FORWARD_VARIANTS). With the
+epilogue reduced to the staging handoffs (`epilogue_skip`) it ran 1.30x at T = 4096: the main loop
+with consumer-issued loads and 3 stages is itself 1.25x slower than the MXFP8 GEMM's (1.047x: a
+producer warp, 4 stages), and the four-warp epilogue (32 K elements a tile against a 26 K-cycle main
+loop) does not keep up. Register splits (consumer / epilogue 184-200 / 112-136) moved it by under 1 %,
+GROUP_M 8 by 3 %, BLOCK_K 32 with 6 stages ran 40 % slower.
 
 Guards (the gated pointer kernel recomputes the whole op when the flag is up): x's flat pass raises
 it for x's scale bytes outside BF16_SAFE_SCALE_BYTES and for non-finite values; the consumers raise
@@ -52,11 +66,11 @@ from .mla_q_gluon import _codes, _scale_byte
 NUM_WARPS = 4
 # a ring stage is 40 KB at BLOCK_K 64 (32 KB of x, 8 KB of codes); beside it 2 x 32 KB of staging tiles,
 # 4 x 4 KB of code boxes and the 16 KB fp32 RoPE tile: 3 stages fit in 227 KB
-CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
-           dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
+# H200 (T = 4096): GROUP_M 8 ran 3 % faster than 16; BLOCK_K 32 with 6 stages 40 % slower (dropped)
+CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=8), dict(BLOCK_K=64, STAGES=3, GROUP_M=16))
 # registers a thread per worker partition (consumer warpgroup 1, epilogue warpgroup; the default
 # partition, consumer warpgroup 0, gets the rest of the 64 K): the consumers hold a [64, 256] fp32
-# accumulator and two A register sets
+# accumulator and two A register sets; offline ptxas: no spills at (192, 128), spills at (200, 112)
 REGS = (192, 128)
 
 
