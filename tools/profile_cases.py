@@ -342,6 +342,20 @@ def _gemm_inputs(tokens: int, generator):
     return x, w, tq.mxfp8_quantize(x, axis=1, **quant), tq.mxfp8_quantize(w, axis=1, **quant)
 
 
+def _in_turns(fns, ms, label, width, base_over_this=False):
+    """Time fns (name -> callable, "cuBLAS bf16" among them) in turns, 3 rounds; print each one's middle
+    round against cuBLAS's (cuBLAS / this, or this / cuBLAS)."""
+    times = {name: [] for name in fns}
+    for _ in range(3):
+        for name, fn in fns.items():
+            times[name].append(ms(fn))
+    base = sorted(times["cuBLAS bf16"])[1]
+    for name, ts in times.items():
+        t = sorted(ts)[1]
+        ratio = f"cuBLAS/this {base / t:.3f}" if base_over_this else f"this/cuBLAS {t / base:.3f}"
+        print(f"{label} {name:{width}s} {t:.4f} ms  {ratio}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
+
+
 def gemm_gluon(tokens: int = 4096) -> None:
     """The MXFP8 GEMM [tokens x 1536] x [24576 x 1536]: the Gluon route (per config) and its kernel
     alone, the bf16 route, and the bf16 cuBLAS GEMM, timed in turns (3 rounds, medians of do_bench);
@@ -385,14 +399,7 @@ def gemm_gluon(tokens: int = 4096) -> None:
     for cfg in gg.CONFIGS:
         tag = " ".join(f"{k}={v}" for k, v in cfg.items())
         fns[f"gluon kernel {tag}"] = lambda c=cfg: tg.gluon_gemm_kernel(a16, b, out, flag, c)
-    times = {name: [] for name in fns}
-    for _ in range(3):
-        for name, fn in fns.items():
-            times[name].append(ms(fn))
-    base = sorted(times["cuBLAS bf16"])[1]
-    for name, ts in times.items():
-        t = sorted(ts)[1]
-        print(f"T={tokens} {name:46s} {t:.4f} ms  cuBLAS/this {base / t:.3f}  rounds {', '.join(f'{v:.4f}' for v in ts)}")
+    _in_turns(fns, ms, f"T={tokens}", width=46, base_over_this=True)
 
 
 def gemm_gluon_launch(tokens: int = 4096) -> None:
@@ -465,15 +472,7 @@ def mla_q_mx(token_list) -> None:
             tag = " ".join(f"{k}={v}" for k, v in cfg.items())
             fns[f"gluon_mx main loop + staging only {tag}"] = lambda c=cfg: kernel(c, splits[0], skip=True)
         qm.REGS = splits[0]
-        times = {name: [] for name in fns}
-        for _ in range(3):
-            for name, fn in fns.items():
-                times[name].append(ms(fn))
-        base = sorted(times["cuBLAS bf16"])[1]
-        for name, ts in times.items():
-            t = sorted(ts)[1]
-            print(f"T={tokens} {name:58s} {t:.4f} ms  this/cuBLAS {t / base:.3f}  "
-                  f"rounds {', '.join(f'{v:.4f}' for v in ts)}")
+        _in_turns(fns, ms, f"T={tokens}", width=58)
 
 
 def main() -> None:

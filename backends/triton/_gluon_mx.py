@@ -28,6 +28,9 @@ TILE_A = gl.constexpr(256)  # output tile: TILE_A rows of a (tokens) x TILE_B ro
 TILE_B = gl.constexpr(128)
 HALF = gl.constexpr(64)  # b rows per consumer warpgroup (one wgmma M)
 TILE_A_ROWS, TILE_B_ROWS = 256, 128  # the same, for the host
+# the consumer's accumulator (out^T [64, TILE_A], fp32) and its widened A operand ([64, BLOCK_K] bf16)
+ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
+A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC_LAYOUT.value, k_width=2))
 # the least fp32 that rounds (RN-even) to Inf in bf16: bits 0x7F7F8000, halfway above bf16's largest
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 
@@ -147,13 +150,10 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
     from ring slot c on. Returns (acc, bad | the rows' scale bytes outside [LO, HI], c past the tile).
     PRODUCE: this warpgroup also fills the ring (issue_load of step j + STAGES once step j is freed;
     the caller issued the first STAGES), in place of a producer warp."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, TILE_A, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     k_steps = gl.cdiv(K, BLOCK_K)
     KB = K // 32
     s0, s1 = load_scales(srow, sok, 0, KB, stride_sc, BLOCK_K, SWIZZLED)
-    acc = gl.zeros([HALF, TILE_A], gl.float32, mma)
+    acc = gl.zeros([HALF, TILE_A], gl.float32, ACC_LAYOUT)
     # Steps two at a time, A operands alternating between w and w2 with no register copies: each step's
     # b codes are widened while the previous step's MMA runs, and an A register set is rewritten only
     # after the wait that retires the MMA reading it.
@@ -163,7 +163,7 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         first = 1
         mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
         bad |= _unsafe(s0, s1, LO, HI)
-        w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+        w2 = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, A_LAYOUT, BLOCK_K, IS_E5M2)
         s0, s1 = load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = warpgroup_mma(w2, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
         # returns at once (one MMA in flight): acc back as a tensor, w2 kept live
@@ -173,14 +173,14 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         first = 2
         mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
         bad |= _unsafe(s0, s1, LO, HI)
-        w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+        w = _widen(b_ring.index(c % STAGES).slice(CID * HALF, HALF, dim=0), s0, s1, A_LAYOUT, BLOCK_K, IS_E5M2)
         s0, s1 = load_scales(srow, sok, 1, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = warpgroup_mma(w, a_ring.index(c % STAGES).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
         s = (c + 1) % STAGES
         mbarrier.wait(ready.index(s), ((c + 1) // STAGES) & 1)
         bad |= _unsafe(s0, s1, LO, HI)
-        w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+        w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, A_LAYOUT, BLOCK_K, IS_E5M2)
         s0, s1 = load_scales(srow, sok, 2, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
@@ -192,7 +192,7 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         s = (c + kk) % STAGES
         bad |= _unsafe(s0, s1, LO, HI)
         mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-        w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+        w = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, A_LAYOUT, BLOCK_K, IS_E5M2)
         s0, s1 = load_scales(srow, sok, kk + 1, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
@@ -203,7 +203,7 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         s = (c + kk + 1) % STAGES
         bad |= _unsafe(s0, s1, LO, HI)
         mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
-        w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, a_op, BLOCK_K, IS_E5M2)
+        w2 = _widen(b_ring.index(s).slice(CID * HALF, HALF, dim=0), s0, s1, A_LAYOUT, BLOCK_K, IS_E5M2)
         s0, s1 = load_scales(srow, sok, kk + 2, KB, stride_sc, BLOCK_K, SWIZZLED)
         acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
@@ -222,10 +222,7 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
 @gluon.jit
 def row_state(CID: gl.constexpr, b_scale_ptr, pid_n, N, stride_sr, col_groups, SWIZZLED: gl.constexpr):
     """(scale row pointers, in-range mask) of consumer CID's 64 b rows in b tile pid_n."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, TILE_A, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows = pid_n * TILE_B + CID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, a_op))
+    rows = pid_n * TILE_B + CID * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, A_LAYOUT))
     return scale_row_ptrs(b_scale_ptr, rows, stride_sr, col_groups, SWIZZLED), rows < N
 
 
@@ -233,11 +230,8 @@ def row_state(CID: gl.constexpr, b_scale_ptr, pid_n, N, stride_sr, col_groups, S
 def guard_state():
     """(bad, amax): the consumer's guard accumulators (b scale bytes outside [LO, HI]; NaN-propagating
     max |acc|, whose `not (amax < BF16_ROUNDS_TO_INF)` flags every output not finite in bf16)."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, TILE_A, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    return (gl.zeros([HALF], gl.int32, gl.SliceLayout(1, a_op)),
-            gl.zeros([HALF], gl.float32, gl.SliceLayout(1, mma)))
+    return (gl.zeros([HALF], gl.int32, gl.SliceLayout(1, A_LAYOUT)),
+            gl.zeros([HALF], gl.float32, gl.SliceLayout(1, ACC_LAYOUT)))
 
 
 @gluon.jit

@@ -111,6 +111,26 @@ def _consumer(CID: gl.constexpr, x_desc, w_desc, a_ring, b_ring, ready, empty, s
 
 
 @gluon.jit
+def _columnwise_and_store(src, row_box, col_box, row_desc, col_desc, col_scale_ptr, m0, g0, N):
+    """A chunk's columnwise quantization from src ([64 tokens, 64] in shared memory: the staged bf16, or
+    the fp32 RoPE results), then both code boxes out by TMA (the rowwise box already written)."""
+    # [2 blocks of 32 tokens, 32, 64 features], one block per thread
+    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
+    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
+    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
+    v = gl.convert_layout(gl.reshape(src.load(col2d), [2, 32, 64]), col_l, assert_trivial=True).to(gl.float32)
+    e = _scale_byte(gl.max(gl.abs(v), axis=1))
+    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [64, 64]), col2d, assert_trivial=True))
+    blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
+    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, ce_layout))
+    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
+    fence_async_shared()
+    barrier()  # every thread's codes are in the boxes before the one thread that issues the stores
+    async_store(row_desc, [m0, g0], row_box)
+    async_store(col_desc, [m0, g0], col_box)
+
+
+@gluon.jit
 def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_scale_ptr, m0, g0, N):
     """A [64 tokens, 64 features] no-RoPE chunk (bf16, staged): both quantizations, codes by TMA."""
     BM: gl.constexpr = 64
@@ -124,20 +144,7 @@ def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_
     rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
     blk_e = gl.arange(0, 2, layout=gl.SliceLayout(0, e_layout))
     gl.store(row_scale_ptr + (rows_e.to(gl.int64) * (N // 32) + g0 // 32)[:, None] + blk_e[None, :], e.to(gl.uint8))
-    # columnwise: [2 blocks of 32 tokens, 32, 64 features], one block per thread
-    col2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
-    col_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
-    ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
-    v = gl.convert_layout(gl.reshape(chunk.load(col2d), [2, 32, 64]), col_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, 64]), col2d, assert_trivial=True))
-    blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
-    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, ce_layout))
-    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
-    fence_async_shared()
-    barrier()
-    async_store(row_desc, [m0, g0], row_box)
-    async_store(col_desc, [m0, g0], col_box)
+    _columnwise_and_store(chunk, row_box, col_box, row_desc, col_desc, col_scale_ptr, m0, g0, N)
 
 
 @gluon.jit
@@ -176,19 +183,7 @@ def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, 
 
     barrier()  # rope_f32 written by rows, read by columns below
 
-    colr2d: gl.constexpr = gl.BlockedLayout([32, 1], [1, 32], [2, 2], [1, 0])
-    colr_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
-    cre_layout: gl.constexpr = gl.SliceLayout(1, colr_l)
-    v = gl.convert_layout(gl.reshape(rope_f32.load(colr2d), [2, 32, 64]), colr_l, assert_trivial=True)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, 64]), colr2d, assert_trivial=True))
-    blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, cre_layout))
-    feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, cre_layout))
-    gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
-    fence_async_shared()
-    barrier()
-    async_store(row_desc, [m0, g0], row_box)
-    async_store(col_desc, [m0, g0], col_box)
+    _columnwise_and_store(rope_f32, row_box, col_box, row_desc, col_desc, col_scale_ptr, m0, g0, N)
 
 
 @gluon.jit
