@@ -1,4 +1,4 @@
-"""The sm90 Gluon kernels (mla_q_gluon's three forward kernels, mla_q_gluon_mx's, gemm_gluon's GEMM) compile
+"""The sm90 Gluon kernels (mla_q_gluon's three forward kernels, mla_q_mx_gluon's, gemm_gluon's GEMM) compile
 offline for sm90 with the installed Triton (3.9 on the CPU CI, through _gluon_compat's shim; 3.6 on the H200,
 where the conformance suite also runs them), and the PTX holds the wgmma main loop and the TMA traffic.
 No GPU needed: Triton's offline compiler and its bundled ptxas (GPUTarget cuda 90).
@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent("""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
-    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG, mla_q_gluon_mx as QM
+    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG, mla_q_mx_gluon as QM
 
     SM90 = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
 

@@ -18,7 +18,7 @@ for phase in ${*:-test mla_q block}; do
   test)
     export OMP_NUM_THREADS=2
     timeout -s INT "${TEST_CAP:-180}" python3 -m pytest tests/conformance/test_mla_q_triton_routes.py \
-      tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q_gluon_mx.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
+      tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q_mx_gluon.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
       tests/conformance/test_gemm_triton.py tests/conformance/test_deepseek_v3_cuda.py tests/test_autograd_cuda.py \
       tests/conformance/test_quantize_triton.py tests/test_mx_concat.py tests/test_mla_kv.py tests/test_fast_launch.py \
       tests/conformance/test_attention_cudnn.py tests/test_cudnn_plan_cache.py tests/conformance/test_mla_kv.py tests/test_nn.py -k "cuda" -n 8 -q -p no:cacheprovider -rfE \

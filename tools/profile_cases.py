@@ -425,7 +425,7 @@ def mla_q_mx(token_list) -> None:
     import triton
 
     from backends.triton import mla_q as mq
-    from backends.triton import mla_q_gluon_mx as qm
+    from backends.triton import mla_q_mx_gluon as qm
 
     def ms(fn):
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")

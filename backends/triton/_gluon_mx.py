@@ -1,5 +1,5 @@
 """The sm90 widened-operand main loop that two Gluon kernels share: the MXFP8 GEMM's "gluon" route
-(gemm_gluon.py) and the fused MLA Q forward's MXFP8-projection kernel (mla_q_gluon_mx.py).
+(gemm_gluon.py) and the fused MLA Q forward's MXFP8-projection kernel (mla_q_mx_gluon.py).
 
 Both compute out^T tiles, TILE_B rows of b (features: the weight) by TILE_A rows of a (tokens): only
 wgmma's A operand can come from registers, and the operand held as e4m3 / e5m2 codes is the weight.

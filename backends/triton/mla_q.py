@@ -594,10 +594,10 @@ GLUON_VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")
 # bench_mla_q.py --quick) the warp-specialized 128-token kernel ran 1.12x the cuBLAS GEMM at T = 4096
 # and 16384, its 64-token form 1.22-1.24x; the one-tile Gluon kernel is for naming only (0: below the
 # pointer kernel, which serves every call).
-# gluon_mx (mla_q_gluon_mx.py: the MXFP8 projection with the weight's codes widened in registers, no bf16
+# gluon_mx (mla_q_mx_gluon.py: the MXFP8 projection with the weight's codes widened in registers, no bf16
 # copy in memory; its reasons refuse bf16 operands) is named only: on the H200 (2026-12-03) it ran 1.55-1.66x
 # the cuBLAS GEMM at T = 4096 and 1.49-1.53x at 16384, against 1.20-1.23x / 1.08-1.11x for gluon_ws128 on
-# the exact dequantization (mla_q_gluon_mx.py has the figures).
+# the exact dequantization (mla_q_mx_gluon.py has the figures).
 FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0, "gluon_mx": 0}
 
 
@@ -622,15 +622,15 @@ def _tma_reasons(x, w) -> List[str]:
 
 
 def _gluon_mx_reasons(x, w) -> List[str]:
-    """gluon_reasons, plus what the widened-weight kernel needs (mla_q_gluon_mx.reasons)."""
+    """gluon_reasons, plus what the widened-weight kernel needs (mla_q_mx_gluon.reasons)."""
     if not (isinstance(x, MXTensor) and isinstance(w, MXTensor)):
         return ["gluon_mx is the MXFP8 projection's kernel: x and w must be MXTensors"]
     reasons = gluon_reasons(x, w)
     if reasons:
         return reasons
-    from . import mla_q_gluon_mx
+    from . import mla_q_mx_gluon
 
-    return mla_q_gluon_mx.reasons(tuple(x.data.shape), w.data, w.axis, w.data.shape[0] // _HEAD)
+    return mla_q_mx_gluon.reasons(tuple(x.data.shape), w.data, w.axis, w.data.shape[0] // _HEAD)
 
 
 def forward_variant_reasons(variant, x, w) -> List[str]:
@@ -734,15 +734,15 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
 
 
 def _launch_gluon_mx(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config):
-    """The MXFP8 projection on mla_q_gluon_mx's kernel: x dequantized to bf16 by the guarded flat pass,
+    """The MXFP8 projection on mla_q_mx_gluon's kernel: x dequantized to bf16 by the guarded flat pass,
     the weight's codes widened in the kernel's registers (guarded there); the gated MXFP8 pointer kernel
     recomputes everything when the guard was raised (as _launch_gluon_dequantized)."""
-    from . import mla_q_gluon_mx
+    from . import mla_q_mx_gluon
 
     flag = torch.zeros(1, dtype=torch.int32, device=x.data.device)
     x16 = _mx_bf16(x, flag)
     ws, swr, swc, w_groups, w_swz = _scale_args(w)
-    mla_q_gluon_mx.launch(x16, w.data.view(torch.uint8), ws, (swr, swc), w_groups, w_swz, w.elem == "e5m2",
+    mla_q_mx_gluon.launch(x16, w.data.view(torch.uint8), ws, (swr, swc), w_groups, w_swz, w.elem == "e5m2",
                           BF16_SAFE_SCALE_BYTES[w.elem], cos, sin, row_codes.view(torch.uint8), row_scale,
                           col_codes.view(torch.uint8), col_scale, flag, config=config)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])

@@ -56,44 +56,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, fast_launch, sm_count, settle_cache_keys
 from ._gluon_compat import async_load, async_store, barrier, reinterpret, tile_coords, version_reasons
-from ._mxfp8 import E4M3_INV_MAX_BITS, F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK, HALF_SUBNORMAL_MANT
+from ._gluon_codec import codes, scale_byte
 
 BLOCK_M = 64
 NUM_WARPS = 4
 _HEAD, _NOPE, _ROPE = 192, 128, 64
-
-# The scale-byte and code helpers below restate _mxfp8's (same constants, same operations): Gluon
-# cannot call those triton.jit functions, whose tl.full carries no layout.
-_ABS, _INF, _MANT = F32_ABS_MASK, F32_INF_BITS, F32_MANT_MASK
-_HALF_SUBNORMAL, _INV_448 = HALF_SUBNORMAL_MANT, E4M3_INV_MAX_BITS
-
-
-@gluon.jit
-def _scale_byte(amax):
-    """E8M0 byte (int32) of an e4m3 block, rceil (SEMANTICS 1.1; _mxfp8.rceil_scale_from_amax_bits):
-    amax is the NaN-ignoring max of |v| (an all-NaN block reduced to NaN counts as 0)."""
-    amax = gl.where(amax == amax, amax, 0.0)
-    r = gl.full(amax.shape, _INV_448, gl.int32, amax.type.layout).to(gl.float32, bitcast=True)
-    p = (amax * r).to(gl.int32, bitcast=True) & _ABS
-    e = (gl.minimum(p, 0x7F000000) + _MANT) >> 23
-    e = gl.where(p <= _HALF_SUBNORMAL, 0, e)
-    return gl.where(p > _INF, 255, e)
-
-
-@gluon.jit
-def _multiplier(e):
-    """fp32 2^(127 - e), the factor codes are computed with (_mxfp8.scale_multiplier)."""
-    bits = gl.where(e <= 253, (254 - e) << 23, _HALF_SUBNORMAL)
-    bits = gl.where(e == 255, 0x7FC00000, bits)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _codes(v, e_expanded):
-    """e4m3 codes (uint8) of v * 2^(127 - e): the hardware cvt.rn.satfinite saturates and maps the
-    canonical NaN of the product to 0x7F (see _mxfp8.encode_e4m3_arith)."""
-    return (v * _multiplier(e_expanded)).to(gl.float8e4nv).to(gl.uint8, bitcast=True)
-
 
 @gluon.jit
 def _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
@@ -145,8 +112,8 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     row2d: gl.constexpr = gl.BlockedLayout([1, 32], [8, 4], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [8, 4, 1], [4, 1, 1], [2, 1, 0])
     v = gl.convert_layout(gl.reshape(nope_smem.load(row2d), [BM, 4, 32]), row_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=2))
-    row_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, NOPE]), row2d, assert_trivial=True))
+    e = scale_byte(gl.max(gl.abs(v), axis=2))
+    row_nope.store(gl.convert_layout(gl.reshape(codes(v, e[:, :, None]), [BM, NOPE]), row2d, assert_trivial=True))
     e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
     rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
     blk_e = gl.arange(0, 4, layout=gl.SliceLayout(0, e_layout))
@@ -159,8 +126,8 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     blocks = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
     feats = gl.arange(0, NOPE, layout=gl.SliceLayout(0, ce_layout))
     v = gl.convert_layout(gl.reshape(nope_smem.load(col2d), [2, 32, NOPE]), col_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_nope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, NOPE]), col2d, assert_trivial=True))
+    e = scale_byte(gl.max(gl.abs(v), axis=1))
+    col_nope.store(gl.convert_layout(gl.reshape(codes(v, e[:, None, :]), [BM, NOPE]), col2d, assert_trivial=True))
     gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * (H * HEAD) + n0 + feats[None, :], e.to(gl.uint8))
     # the no-RoPE codes leave now (two TMA boxes), under the RoPE work below
     fence_async_shared()
@@ -178,10 +145,10 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     rope_f32.slice(0, HALF, dim=1).store(left)
     rope_f32.slice(HALF, HALF, dim=1).store(right)
     # rowwise blocks 4 (left) and 5 (right): amax over the row's 8 threads
-    e_l = _scale_byte(gl.max(gl.abs(left), axis=1))
-    e_r = _scale_byte(gl.max(gl.abs(right), axis=1))
-    row_rope.slice(0, HALF, dim=1).store(_codes(left, e_l[:, None]))
-    row_rope.slice(HALF, HALF, dim=1).store(_codes(right, e_r[:, None]))
+    e_l = scale_byte(gl.max(gl.abs(left), axis=1))
+    e_r = scale_byte(gl.max(gl.abs(right), axis=1))
+    row_rope.slice(0, HALF, dim=1).store(codes(left, e_l[:, None]))
+    row_rope.slice(HALF, HALF, dim=1).store(codes(right, e_r[:, None]))
     rs_ptrs = row_scale_ptr + rows_h.to(gl.int64) * (H * 6) + head * 6
     gl.store(rs_ptrs + 4, e_l.to(gl.uint8))
     gl.store(rs_ptrs + 5, e_r.to(gl.uint8))
@@ -194,8 +161,8 @@ def _epilogue_staged(nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rop
     blocks_r = pid_m * 2 + gl.arange(0, 2, layout=gl.SliceLayout(1, cre_layout))
     feats_r = gl.arange(0, ROPE, layout=gl.SliceLayout(0, cre_layout))
     v = gl.convert_layout(gl.reshape(rope_f32.load(colr2d), [2, 32, ROPE]), colr_l, assert_trivial=True)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_rope.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [BM, ROPE]), colr2d, assert_trivial=True))
+    e = scale_byte(gl.max(gl.abs(v), axis=1))
+    col_rope.store(gl.convert_layout(gl.reshape(codes(v, e[:, None, :]), [BM, ROPE]), colr2d, assert_trivial=True))
     gl.store(col_scale_ptr + blocks_r.to(gl.int64)[:, None] * (H * HEAD) + (n0 + NOPE) + feats_r[None, :],
              e.to(gl.uint8))
 

@@ -61,7 +61,7 @@ from ._common import cdiv, fast_launch, sm_count, settle_cache_keys
 from ._gluon_compat import async_store, barrier, tile_coords
 from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, issue_load, mainloop, max_nan,
                         raise_guard, row_state)
-from .mla_q_gluon import _codes, _scale_byte
+from ._gluon_codec import codes, scale_byte
 
 NUM_WARPS = 4
 # a ring stage is 40 KB at BLOCK_K 64 (32 KB of x, 8 KB of codes); beside it 2 x 32 KB of staging tiles,
@@ -119,8 +119,8 @@ def _columnwise_and_store(src, row_box, col_box, row_desc, col_desc, col_scale_p
     col_l: gl.constexpr = gl.BlockedLayout([1, 32, 1], [1, 1, 32], [2, 1, 2], [2, 1, 0])
     ce_layout: gl.constexpr = gl.SliceLayout(1, col_l)
     v = gl.convert_layout(gl.reshape(src.load(col2d), [2, 32, 64]), col_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=1))
-    col_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, None, :]), [64, 64]), col2d, assert_trivial=True))
+    e = scale_byte(gl.max(gl.abs(v), axis=1))
+    col_box.store(gl.convert_layout(gl.reshape(codes(v, e[:, None, :]), [64, 64]), col2d, assert_trivial=True))
     blocks = m0 // 32 + gl.arange(0, 2, layout=gl.SliceLayout(1, ce_layout))
     feats = g0 + gl.arange(0, 64, layout=gl.SliceLayout(0, ce_layout))
     gl.store(col_scale_ptr + blocks.to(gl.int64)[:, None] * N + feats[None, :], e.to(gl.uint8))
@@ -138,8 +138,8 @@ def _nope_chunk(chunk, row_box, col_box, row_desc, col_desc, row_scale_ptr, col_
     row2d: gl.constexpr = gl.BlockedLayout([1, 32], [16, 2], [4, 1], [1, 0])
     row_l: gl.constexpr = gl.BlockedLayout([1, 1, 32], [16, 2, 1], [4, 1, 1], [2, 1, 0])
     v = gl.convert_layout(gl.reshape(chunk.load(row2d), [BM, 2, 32]), row_l, assert_trivial=True).to(gl.float32)
-    e = _scale_byte(gl.max(gl.abs(v), axis=2))
-    row_box.store(gl.convert_layout(gl.reshape(_codes(v, e[:, :, None]), [BM, 64]), row2d, assert_trivial=True))
+    e = scale_byte(gl.max(gl.abs(v), axis=2))
+    row_box.store(gl.convert_layout(gl.reshape(codes(v, e[:, :, None]), [BM, 64]), row2d, assert_trivial=True))
     e_layout: gl.constexpr = gl.SliceLayout(2, row_l)
     rows_e = m0 + gl.arange(0, BM, layout=gl.SliceLayout(1, e_layout))
     blk_e = gl.arange(0, 2, layout=gl.SliceLayout(0, e_layout))
@@ -170,15 +170,15 @@ def _rope_chunk(chunk, row_box, col_box, rope_f32, row_desc, col_desc, cos_ptr, 
     sin_l = gl.load(sin_ptr + rows_t * stride_sin + k_h).to(gl.float32)
     left = even * cos_l - odd * sin_l
     rope_f32.slice(0, HALF_R, dim=1).store(left)
-    e_l = _scale_byte(gl.max(gl.abs(left), axis=1))
-    row_box.slice(0, HALF_R, dim=1).store(_codes(left, e_l[:, None]))
+    e_l = scale_byte(gl.max(gl.abs(left), axis=1))
+    row_box.slice(0, HALF_R, dim=1).store(codes(left, e_l[:, None]))
     gl.store(rs_ptrs, e_l.to(gl.uint8))
     cos_r = gl.load(cos_ptr + rows_t * stride_cos + (HALF_R + k_h)).to(gl.float32)
     sin_r = gl.load(sin_ptr + rows_t * stride_sin + (HALF_R + k_h)).to(gl.float32)
     right = odd * cos_r + even * sin_r
     rope_f32.slice(HALF_R, HALF_R, dim=1).store(right)
-    e_r = _scale_byte(gl.max(gl.abs(right), axis=1))
-    row_box.slice(HALF_R, HALF_R, dim=1).store(_codes(right, e_r[:, None]))
+    e_r = scale_byte(gl.max(gl.abs(right), axis=1))
+    row_box.slice(HALF_R, HALF_R, dim=1).store(codes(right, e_r[:, None]))
     gl.store(rs_ptrs + 1, e_r.to(gl.uint8))
 
     barrier()  # rope_f32 written by rows, read by columns below

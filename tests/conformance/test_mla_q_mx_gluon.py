@@ -1,4 +1,4 @@
-"""The fused forward's MXFP8-projection kernel on sm90 (variant gluon_mx, mla_q_gluon_mx.py): bytes
+"""The fused forward's MXFP8-projection kernel on sm90 (variant gluon_mx, mla_q_mx_gluon.py): bytes
 against spec on exact-arithmetic inputs (every product and partial sum exact in fp32, so any summation
 order gives spec's bytes), with the guard checked down -- the kernel itself wrote them, not the exact
 fallback -- for compact and swizzled scales, e4m3 and e5m2 weights, every config, K tails and tile
@@ -38,7 +38,7 @@ def mla(monkeypatch):
 
 def _kernel_alone(mod, x, w, cos, sin, config=None):
     """The gluon_mx kernel without the gated fallback: (q_row, q_col, guard flag)."""
-    import backends.triton.mla_q_gluon_mx as qm
+    import backends.triton.mla_q_mx_gluon as qm
 
     tokens, heads = x.data.shape[0], w.data.shape[0] // D
     dev = x.data.device
@@ -76,7 +76,7 @@ def test_gluon_mx_exact_bytes(triton_target, mla, shape, kind):
     tokens, k, heads = shape
     x, w, cos, sin = _exact_inputs(_seed("fwd-gluon-mx", shape, kind), tokens, k, heads, kind)
     want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-    import backends.triton.mla_q_gluon_mx as qm
+    import backends.triton.mla_q_mx_gluon as qm
 
     dx, dw, dcos, dsin = _dev((x, w, cos, sin), device)
     for cfg in qm.CONFIGS:
@@ -174,7 +174,7 @@ def test_gluon_mx_reasons_and_selection(monkeypatch):
     # need otherwise; a bf16 projection is refused.
     import backends.triton.mla_q as mod
 
-    pytest.importorskip("backends.triton.mla_q_gluon_mx")
+    pytest.importorskip("backends.triton.mla_q_mx_gluon")
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
     monkeypatch.setattr(mod, "_tma_ok", lambda t: True)
     monkeypatch.setattr(mod, "gluon_reasons", lambda x, w: [])
@@ -201,7 +201,7 @@ def test_gluon_mx_reasons_and_selection(monkeypatch):
     x, w = _fake_mx(256, k=36, rows=384)  # rows of 36 code bytes: neither operand's rows are TMA rows
     assert "gluon_mx needs K % 8 == 0 (TMA rows of x's bf16 dequantization), got 36" in mod.forward_variant_reasons(
         "gluon_mx", x, w)
-    import backends.triton.mla_q_gluon_mx as qm
+    import backends.triton.mla_q_mx_gluon as qm
 
     with pytest.raises(ValueError, match="config: the gluon_mx kernel takes keys"):
         qm.launch(torch.zeros((256, 64), dtype=torch.bfloat16), None, None, (0, 0), 0, False, False, (10, 246),
