@@ -35,6 +35,16 @@ A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC_LAYOUT.v
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 
 
+def checked_config(config, configs, what: str) -> dict:
+    """config (None: configs[0]) as a dict with configs' keys and BLOCK_K 32 or 64, else ValueError."""
+    cfg = dict(configs[0] if config is None else config)
+    if set(cfg) != set(configs[0]):
+        raise ValueError(f"config: {what} takes keys {sorted(configs[0])}, got {sorted(cfg)}")
+    if cfg["BLOCK_K"] not in (32, 64):
+        raise ValueError(f"config: BLOCK_K must be 32 or 64, got {cfg['BLOCK_K']}")
+    return cfg
+
+
 @gluon.jit
 def producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):

@@ -56,8 +56,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, settle_cache_keys
 from ._gluon_compat import async_store, tile_coords  # tile_coords: GROUP_M a tiles per b tile
-from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, mainloop, max_nan, producer,
-                        raise_guard, row_state)
+from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, checked_config, guard_state, mainloop,
+                        max_nan, producer, raise_guard, row_state)
 
 NUM_WARPS = 4
 _TILE_A, _TILE_B = TILE_A_ROWS, TILE_B_ROWS
@@ -136,11 +136,7 @@ def launch(a16: torch.Tensor, b_codes: torch.Tensor, b_scale: torch.Tensor, scal
     """out [M, N] bf16 = a16 [M, K] bf16 @ dq(b)^T for b's codes [N, K] (uint8 view) and scale bytes;
     flag (int32 [1]) is set when b's scale bytes leave safe_bytes = (lo, hi) or an output is not
     finite (the caller's exact kernel then recomputes)."""
-    cfg = dict(CONFIGS[0] if config is None else config)
-    if set(cfg) != set(CONFIGS[0]):
-        raise ValueError(f"config: the Gluon GEMM takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
-    if cfg["BLOCK_K"] not in (32, 64):
-        raise ValueError(f"config: BLOCK_K must be 32 or 64, got {cfg['BLOCK_K']}")
+    cfg = checked_config(config, CONFIGS, "the Gluon GEMM")
     m, k = a16.shape
     n = b_codes.shape[0]
     bk = cfg["BLOCK_K"]

@@ -59,8 +59,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, fast_launch, sm_count, settle_cache_keys
 from ._gluon_compat import async_store, barrier, tile_coords
-from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, guard_state, issue_load, mainloop, max_nan,
-                        raise_guard, row_state)
+from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, checked_config, guard_state, issue_load,
+                        mainloop, max_nan, raise_guard, row_state)
 from ._gluon_codec import codes, scale_byte
 
 NUM_WARPS = 4
@@ -320,11 +320,7 @@ def launch(x16, w_codes, w_scale, scale_strides, col_groups: int, swizzled: bool
     safe_bytes or an accumulator not finite in bf16 (the caller's exact kernel then recomputes).
     epilogue_skip (profiling; its outputs are not the op's): the epilogue only hands the staging tiles
     back, so the time is the main loop's and the staging's."""
-    cfg = dict(CONFIGS[0] if config is None else config)
-    if set(cfg) != set(CONFIGS[0]):
-        raise ValueError(f"config: the gluon_mx kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
-    if cfg["BLOCK_K"] not in (32, 64):
-        raise ValueError(f"config: BLOCK_K must be 32 or 64, got {cfg['BLOCK_K']}")
+    cfg = checked_config(config, CONFIGS, "the gluon_mx kernel")
     tokens, k = x16.shape
     n = w_codes.shape[0]
     bk = cfg["BLOCK_K"]
