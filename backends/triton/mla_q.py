@@ -109,6 +109,7 @@ from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_
 from ._tiles import grouped_tile
 from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
                    mxfp8_gemm_tensors, scale_offsets)
+from .mla_q_prepass import block_unsafe, prepass_dequantized
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
 
@@ -894,7 +895,7 @@ def _grad_prep_kernel(
             dq_r = tl.reshape(e4m3_value(v3 * s_inv[:, :, None]) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
             tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
             blk_ok = r_ok[:, None] & ((pid_c * 2 + tl.arange(0, 2)) * 32 < C)[None, :]
-            tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
+            tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=block_unsafe(amax, e, s_inv) & blk_ok)
         if COL_DQ:
             NB2: tl.constexpr = BLOCK_R // 32
             v3 = tl.reshape(v, [NB2, 32, WIDTH])
@@ -904,18 +905,10 @@ def _grad_prep_kernel(
             dq_c = tl.reshape(e4m3_value(v3 * s_inv[:, None, :]) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
             tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
             blk_ok = ((pid_r * NB2 + tl.arange(0, NB2)) * 32 < R)[:, None] & c_ok[None, :]
-            tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=_block_unsafe(amax, e, s_inv) & blk_ok)
+            tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=block_unsafe(amax, e, s_inv) & blk_ok)
 
 
-@triton.jit
-def _block_unsafe(amax_bits, e, s_inv):
-    """Blocks whose dequantization is not exact in bf16: a scale byte outside [SAFE_LO, SAFE_HI] over a
-    nonzero code. Codes are monotone in |y|, so the block has a nonzero code iff its amax's code is
-    nonzero (all-zero blocks -- byte 0 -- stay on the fast path)."""
-    nonzero = e4m3_value(amax_bits.to(tl.float32, bitcast=True) * s_inv) != 0.0
-    return ((e < SAFE_LO) | (e > SAFE_HI)) & nonzero
-
-
+PREPASS_HEADS_KERNEL = True  # False: the general kernel below serves the backward's form too (tools/sweep_prepass.py)
 _PREP_DQ_TILE = (32, 2)  # (rows per tile, warps) of the dequantized-output pre-pass (tools/sweep_prepass.py)
 
 
@@ -946,6 +939,10 @@ def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=
     if cos is None:
         cos = sin = torch.zeros((1, MLA_ROPE_DIM), dtype=torch.float32, device=device)
     cos, sin = _unit_last(cos), _unit_last(sin)
+    if rope and row_dq and col_dq and not (gated or write_bf16 or row_q or col_q) and PREPASS_HEADS_KERNEL:
+        # the backward's own form: the per-head kernel (mla_q_prepass), the same bytes in fewer instructions
+        prepass_dequantized(src2d, cos, sin, flag, row_deq, col_deq, _hw_cvt(device))
+        return row_deq, col_deq
     # dequantized outputs: small tiles (~80 registers a thread, many programs per SM in flight: the pass
     # is memory-bound; [32, 64] on 2 warps measured fastest on the H200); the codes outputs keep [128, 64]
     block_r, num_warps = _PREP_DQ_TILE if dq_out else (128, 4)

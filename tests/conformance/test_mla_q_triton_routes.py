@@ -293,18 +293,28 @@ def _prepass_input(tag, rows=64, cols=384):
     return v.astype(BF16)
 
 
-@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("rope,kernel", [(False, "general"), (True, "general"), (True, (32, 4, 2, False)),
+                                         (True, (64, 1, 2, True)), (True, (32, 1, 2, True))])
 @pytest.mark.parametrize("case", ["finite", "specials", "tiny"])
-def test_prepass_dequantized_bytes_and_guard(mla, case, rope):
+def test_prepass_dequantized_bytes_and_guard(mla, monkeypatch, case, rope, kernel):
     # the pre-pass's bf16 outputs are the exact dequantization of spec's row- and column-blocked MXFP8 of
     # g (RoPE backward applied when rope) wherever the guard stays down; the flag is up iff some block
-    # has a nonzero code under a scale byte outside BF16_SAFE_SCALE_BYTES or some value is NaN
+    # has a nonzero code under a scale byte outside BF16_SAFE_SCALE_BYTES or some value is NaN. With RoPE
+    # the backward's per-head kernel (mla_q_prepass) runs it unless kernel is "general"; its tiles
+    # (tokens, heads, warps, grid order) here leave a ragged last token tile (96 tokens) or heads past H
+    # (2 of 4), or neither
+    import backends.triton.mla_q_prepass as prepass
+
     mod, device = mla
-    rows, cols = 64, 384  # cols = 2 heads of 192
+    if kernel == "general":
+        monkeypatch.setattr(mod, "PREPASS_HEADS_KERNEL", False)
+    else:
+        monkeypatch.setattr(prepass, "TILE", prepass.Tile(*kernel))
+    rows, cols = 96, 384  # cols = 2 heads of 192
     if case == "finite":
         src = (_rng("finite").standard_normal((rows, cols)) * 2.0 ** _rng("fm").integers(-20, 21, (rows, 1))).astype(BF16)
     elif case == "specials":
-        src = _prepass_input("specials")
+        src = _prepass_input("specials", rows=rows)
     else:
         src = (_rng("tiny").standard_normal((rows, cols)) * 2.0 ** -121).astype(BF16)
     cos = _rng("cos").uniform(-1, 1, (rows, 64)).astype(np.float32)
