@@ -12,9 +12,11 @@ everything (values written under a raised flag are not defined).
 
 It computes the bytes of mla_q._grad_prep_kernel's dequantized outputs (tested byte for byte) with
 fewer instructions an element, which is what this memory-bound pass runs out of first:
-- a program takes BLOCK_R tokens of HEADS heads in turn, so a token's cos / sin rows are read from
-  memory once per program and from L1 after (one head per program re-reads them from L2 for every head:
-  per RoPE chunk four times the chunk's own bytes);
+- the grid runs heads fastest, so the programs in flight together read and write whole token rows of
+  g (one H200 sweep: 0.81 of copy bandwidth against 0.68-0.70 with tokens fastest); a program takes its
+  head's three 64-feature chunks in a loop, one chunk's values alive at a time (96 registers a thread
+  on sm90, several programs an SM); more heads per program (cos / sin then come from L1 after the first
+  head) measured slower;
 - on the GPU, each value's e4m3 rounding is the hardware conversion pair (fp32 -> e4m3 -> fp32, RN-even,
   saturating: _mxfp8.e4m3_value's definition) instead of ~10 integer and fp32 operations;
 - NaN is found per row block, from an integer max over |bits| (NaN's bits lie above Inf's, so the
@@ -181,7 +183,9 @@ class Tile(NamedTuple):
     heads_fast: bool = False
 
 
-TILE = Tile()  # tools/sweep_prepass.py on the H200
+# tools/sweep_prepass.py on the H200: 32 tokens of one head on 2 warps, heads fastest in the grid (0.81
+# of copy bandwidth at T = 4096 and 16384; the other order 0.68-0.70, more heads or warps per program less)
+TILE = Tile(32, 1, 2, heads_fast=True)
 
 
 def prepass_dequantized(src2d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, flag: torch.Tensor,
