@@ -79,9 +79,11 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
   [10, 239]), outside that a value leaves bf16's range and rounds/saturates where the spec's does not.
 - quantize_grad=True, the "dequantized" route (the default, _backward_dequantized): the pre-pass writes
   the bf16 dequantization of both quantizations of g instead of their codes -- each value rounded to the
-  e4m3 grid in fp32 (_mxfp8.e4m3_value) times its scale, exact in bf16 inside BF16_SAFE_SCALE_BYTES, a
-  per-block guard flagging the rest -- and two cuBLAS bf16 GEMMs follow; a raised guard sends the op to
-  the exact path (gated kernels, no host sync once compiled).
+  e4m3 grid times its scale, exact in bf16 inside BF16_SAFE_SCALE_BYTES, a per-block guard flagging the
+  rest -- and two cuBLAS bf16 GEMMs follow; a raised guard sends the op to the exact path (gated kernels,
+  no host sync once compiled). That form of the pre-pass runs on mla_q_prepass.py's per-head kernel (the
+  same bytes as _grad_prep_kernel's ROW_DQ / COL_DQ outputs; H200: 0.81 of copy bandwidth against 0.56-0.61;
+  PREPASS_HEADS_KERNEL = False sends it back to the general kernel).
 - quantize_grad=True, the "mxfp8_gemm" route: dx = mxfp8_gemm(g_row, w_n^T), dw = mxfp8_gemm(g_col^T,
   x_t^T) with the Triton GEMM of backends/triton/gemm.py. bf16 x / w are quantized along T / N by the
   same pre-pass kernel (no RoPE), written transposed so every GEMM operand is K-major.
