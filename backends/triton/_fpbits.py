@@ -42,6 +42,16 @@ def round_f32(v, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def round_bf16(v, HW_CVT: tl.constexpr):
+    """One RN of fp32 v to bf16: the GPU's cvt.rn (HW_CVT), or round_f32's bit version (the interpreter's
+    cast truncates)."""
+    if HW_CVT:
+        return v.to(tl.bfloat16)
+    else:
+        return round_f32(v, tl.bfloat16)
+
+
+@triton.jit
 def round_f32_canonical_nan(v, OUT_DTYPE: tl.constexpr):
     """round_f32, with every NaN written as OUT_DTYPE's positive quiet NaN (fp32 0x7FC00000,
     bf16 0x7FC0, fp16 0x7E00): NaN bits after GPU arithmetic differ from the CPU's."""

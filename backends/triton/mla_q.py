@@ -105,13 +105,13 @@ from .. import settings
 from ..registry import register, register_variant, variants
 from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, fast_launch, interpret_mode,
                       launch_gated, placeholder, triton_reasons)
-from ._fpbits import round_f32, widen_f32
+from ._fpbits import round_bf16, round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
 from ._tiles import grouped_tile
 from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
                    mxfp8_gemm_tensors, scale_offsets)
-from .mla_q_prepass import block_unsafe, prepass_dequantized
+from .mla_q_prepass import block_unsafe, prepass_dequantized, rope_grad_chunk
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
 
@@ -150,14 +150,6 @@ def _dot(a, b, acc, DOT_F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _round_bf16(v, HW_CVT: tl.constexpr):
-    if HW_CVT:
-        return v.to(tl.bfloat16)
-    else:
-        return round_f32(v, tl.bfloat16)
 
 
 @triton.jit
@@ -844,23 +836,14 @@ def _grad_prep_kernel(
     src_rows = src_ptr + rows.to(tl.int64)[:, None] * stride_sr
     if ROPE and (pid_c % 3 == 2):
         offs_h = tl.arange(0, HALF)
-        base = pid_c * WIDTH
-        g_l = widen_f32(tl.load(src_rows + (base + offs_h)[None, :] * stride_sc))
-        g_r = widen_f32(tl.load(src_rows + (base + HALF + offs_h)[None, :] * stride_sc))
         cos_row = cos_ptr + rows.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
         sin_row = sin_ptr + rows.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
-        cos_l = widen_f32(tl.load(cos_row))
-        cos_r = widen_f32(tl.load(cos_row + HALF))
-        sin_l = widen_f32(tl.load(sin_row))
-        sin_r = widen_f32(tl.load(sin_row + HALF))
-        d_even = g_l * cos_l + g_r * sin_r  # dx[2k]   = RN(RN(gL*c[k]) + RN(gR*s[32+k]))
-        d_odd = g_r * cos_r - g_l * sin_l  # dx[2k+1] = RN(RN(gR*c[32+k]) - RN(gL*s[k]))
-        v = tl.reshape(tl.join(d_even, d_odd), [BLOCK_R, WIDTH])
+        v = rope_grad_chunk(src_rows, pid_c * WIDTH, stride_sc, cos_row, sin_row, BLOCK_R)
     else:
         v = widen_f32(tl.load(src_rows + offs_c[None, :] * stride_sc, mask=c_ok[None, :], other=0.0))
 
     if WRITE_BF16:
-        tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * C + offs_c[None, :], _round_bf16(v, HW_CVT),
+        tl.store(g_ptr + offs_r.to(tl.int64)[:, None] * C + offs_c[None, :], round_bf16(v, HW_CVT),
                  mask=r_ok[:, None] & c_ok[None, :])
     if ROW_Q:
         codes, e = _quantize_rows(tl.reshape(v, [BLOCK_R, 2, 32]), HW_CVT)
@@ -895,7 +878,7 @@ def _grad_prep_kernel(
             e = rceil_scale_from_amax_bits(amax)
             s_inv = scale_multiplier(e)
             dq_r = tl.reshape(e4m3_value(v3 * s_inv[:, :, None]) * scale_value(e)[:, :, None], [BLOCK_R, WIDTH])
-            tl.store(row_dq_ptr + out_off, _round_bf16(dq_r, HW_CVT), mask=ok2)
+            tl.store(row_dq_ptr + out_off, round_bf16(dq_r, HW_CVT), mask=ok2)
             blk_ok = r_ok[:, None] & ((pid_c * 2 + tl.arange(0, 2)) * 32 < C)[None, :]
             tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=block_unsafe(amax, e, s_inv) & blk_ok)
         if COL_DQ:
@@ -905,7 +888,7 @@ def _grad_prep_kernel(
             e = rceil_scale_from_amax_bits(amax)
             s_inv = scale_multiplier(e)
             dq_c = tl.reshape(e4m3_value(v3 * s_inv[:, None, :]) * scale_value(e)[:, None, :], [BLOCK_R, WIDTH])
-            tl.store(col_dq_ptr + out_off, _round_bf16(dq_c, HW_CVT), mask=ok2)
+            tl.store(col_dq_ptr + out_off, round_bf16(dq_c, HW_CVT), mask=ok2)
             blk_ok = ((pid_r * NB2 + tl.arange(0, NB2)) * 32 < R)[:, None] & c_ok[None, :]
             tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=block_unsafe(amax, e, s_inv) & blk_ok)
 

@@ -36,7 +36,7 @@ import triton.language as tl
 from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 
 from ._common import cdiv, fast_launch, settle_cache_keys
-from ._fpbits import round_f32, widen_f32
+from ._fpbits import round_bf16, widen_f32
 from ._mxfp8 import F32_ABS_MASK, e4m3_value, rceil_scale_from_amax_bits
 from .gemm import BF16_SAFE_SCALE_BYTES
 
@@ -63,11 +63,20 @@ def _e4m3_grid(y, HW_CVT: tl.constexpr):
 
 
 @triton.jit
-def _to_bf16(v, HW_CVT: tl.constexpr):
-    if HW_CVT:
-        return v.to(tl.bfloat16)
-    else:
-        return round_f32(v, tl.bfloat16)
+def rope_grad_chunk(src_rows, base, stride_sc, cos_row, sin_row, BLOCK_R: tl.constexpr):
+    """fp32 [BLOCK_R, 64]: the mla RoPE backward of the 64 RoPE features at column `base` of the rows
+    src_rows (pointers [BLOCK_R, 1]): halves gL | gR in, interleaved pairs out (cos_row / sin_row:
+    pointers [BLOCK_R, 32] to each row's first 32 cos / sin values). Launched without FMA contraction."""
+    offs_h = tl.arange(0, 32)
+    g_l = widen_f32(tl.load(src_rows + (base + offs_h)[None, :] * stride_sc))
+    g_r = widen_f32(tl.load(src_rows + (base + 32 + offs_h)[None, :] * stride_sc))
+    cos_l = widen_f32(tl.load(cos_row))
+    cos_r = widen_f32(tl.load(cos_row + 32))
+    sin_l = widen_f32(tl.load(sin_row))
+    sin_r = widen_f32(tl.load(sin_row + 32))
+    d_even = g_l * cos_l + g_r * sin_r  # dx[2k]   = RN(RN(gL*c[k]) + RN(gR*s[32+k]))
+    d_odd = g_r * cos_r - g_l * sin_l  # dx[2k+1] = RN(RN(gR*c[32+k]) - RN(gL*s[k]))
+    return tl.reshape(tl.join(d_even, d_odd), [BLOCK_R, 64])
 
 
 @triton.jit
@@ -105,7 +114,7 @@ def _chunk_out(v, out_off, r_ok, pid_r, R, row_dq_ptr, col_dq_ptr, flag_ptr,
     v3 = tl.reshape(v, [BLOCK_R, 2, 32])
     s_inv, scale, bad = _block_factors(tl.max(v3.to(tl.int32, bitcast=True) & F32_ABS_MASK, axis=2))
     dq = tl.reshape(_e4m3_grid(v3 * s_inv[:, :, None], HW_CVT) * scale[:, :, None], [BLOCK_R, 64])
-    _store_rows(row_dq_ptr + out_off, _to_bf16(dq, HW_CVT), r_ok, EVEN_R)
+    _store_rows(row_dq_ptr + out_off, round_bf16(dq, HW_CVT), r_ok, EVEN_R)
     if not EVEN_R:
         bad = bad & r_ok[:, None]
     tl.store(flag_ptr + tl.zeros([BLOCK_R, 2], tl.int32), 1, mask=bad)
@@ -113,7 +122,7 @@ def _chunk_out(v, out_off, r_ok, pid_r, R, row_dq_ptr, col_dq_ptr, flag_ptr,
     v3 = tl.reshape(v, [NB, 32, 64])
     s_inv, scale, bad = _block_factors(tl.max(tl.abs(v3), axis=1).to(tl.int32, bitcast=True))
     dq = tl.reshape(_e4m3_grid(v3 * s_inv[:, None, :], HW_CVT) * scale[:, None, :], [BLOCK_R, 64])
-    _store_rows(col_dq_ptr + out_off, _to_bf16(dq, HW_CVT), r_ok, EVEN_R)
+    _store_rows(col_dq_ptr + out_off, round_bf16(dq, HW_CVT), r_ok, EVEN_R)
     if not EVEN_R:
         bad = bad & ((pid_r * NB + tl.arange(0, NB)) * 32 < R)[:, None]
     tl.store(flag_ptr + tl.zeros([NB, 64], tl.int32), 1, mask=bad)
@@ -162,15 +171,7 @@ def _prepass_dq_kernel(
                 v = widen_f32(tl.load(src_rows + (base + offs_w)[None, :] * stride_sc))
                 _chunk_out(v, out_rows + (base + offs_w)[None, :], r_ok, pid_r, R, row_dq_ptr, col_dq_ptr, flag_ptr, BLOCK_R, HW_CVT, EVEN_R)
             else:
-                g_l = widen_f32(tl.load(src_rows + (base + offs_h)[None, :] * stride_sc))
-                g_r = widen_f32(tl.load(src_rows + (base + HALF + offs_h)[None, :] * stride_sc))
-                cos_l = widen_f32(tl.load(cos_row))
-                cos_r = widen_f32(tl.load(cos_row + HALF))
-                sin_l = widen_f32(tl.load(sin_row))
-                sin_r = widen_f32(tl.load(sin_row + HALF))
-                d_even = g_l * cos_l + g_r * sin_r  # dx[2k]   = RN(RN(gL*c[k]) + RN(gR*s[32+k]))
-                d_odd = g_r * cos_r - g_l * sin_l  # dx[2k+1] = RN(RN(gR*c[32+k]) - RN(gL*s[k]))
-                v = tl.reshape(tl.join(d_even, d_odd), [BLOCK_R, 64])
+                v = rope_grad_chunk(src_rows, base, stride_sc, cos_row, sin_row, BLOCK_R)
                 _chunk_out(v, out_rows + (base + offs_w)[None, :], r_ok, pid_r, R, row_dq_ptr, col_dq_ptr, flag_ptr, BLOCK_R, HW_CVT, EVEN_R)
 
 
