@@ -7,7 +7,8 @@
   fallback -- for a gradient past the bf16-safe scale range, a NaN gradient and an MXFP8 weight whose
   scale bytes leave that range; bf16 and MXFP8 x / w; a K-major (transposed) weight copy.
 - The backward pre-pass's bf16 outputs byte-equal to spec's dequantization of both quantizations of g
-  (specials, tiny scales, RoPE) and its guard; its rounding to the e4m3 grid (_mxfp8.e4m3_value) bit-equal
+  (specials, tiny scales, RoPE; both pre-pass kernels) and its guard, down at the tie that rounds to
+  the zero code under an unsafe scale byte and up one ulp above; its rounding to the e4m3 grid (_mxfp8.e4m3_value) bit-equal
   to encode-then-decode and to ml_dtypes' saturating cast on random fp32 bit patterns and every tie.
 - The flat dequantize's guard exempts zero codes and flags a nonzero code under an unsafe scale byte.
 - MXFP8 forward's exact fallback (the gated pointer kernel behind the dequantized Gluon route): a no-op
@@ -352,6 +353,33 @@ def test_prepass_dequantized_bytes_and_guard(mla, monkeypatch, case, rope, kerne
             assert_bytes_equal(got.cpu(), want, f"axis {axis} dequantized")
     assert int(flag.item()) == int(unsafe), f"guard {int(flag.item())}, expected {int(unsafe)}"
     assert unsafe == (case != "finite")
+
+
+@pytest.mark.parametrize("kernel", ["general", "per-head"])
+@pytest.mark.parametrize("above", [False, True])
+def test_prepass_guard_at_the_smallest_code(mla, monkeypatch, kernel, above):
+    # The guard's edge: a RoPE block (scale byte 0) whose largest |g| * 2^127 is exactly 2^-10, half of
+    # e4m3's smallest subnormal, rounds to code 0 (the tie goes to the even code): zero codes under an
+    # unsafe scale byte are exact, so the flag stays down and every output is +0. One fp32 ulp of cos
+    # above (g = 2^-137 * (1 + 2^-7)) the code is 2^-9, nonzero under byte 0: the flag goes up.
+    mod, device = mla
+    if kernel == "general":
+        monkeypatch.setattr(mod, "PREPASS_HEADS_KERNEL", False)
+    rows, cols = 64, 2 * 192
+    src = np.zeros((rows, cols), dtype=np.float32)
+    src[:, 128:160] = 2.0 ** -133  # gL of head 0: bf16's smallest subnormal; gR stays 0
+    src[:, 192 + 128:192 + 160] = 2.0 ** -133
+    cos = np.full((rows, 64), 2.0 ** -4 * (1 + 2.0 ** -7 if above else 1.0), dtype=np.float32)
+    sin = np.zeros((rows, 64), dtype=np.float32)
+    # the RoPE backward gives d_even = gL * cos = 2^-137 (x (1 + 2^-7)), exact in fp32, d_odd = +0
+    assert spec.mxfp8_quantize(np.float32(2.0 ** -137) * np.ones((1, 32), np.float32), axis=1).scale[0, 0] == 0
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    got_r, got_c = mod._prep_launch(to_torch(src.astype(BF16), device), to_torch(cos, device), to_torch(sin, device),
+                                    rope=True, row_dq=True, col_dq=True, flag=flag)
+    assert int(flag.item()) == int(above), f"guard {int(flag.item())}, expected {int(above)}"
+    if not above:
+        for name, got in (("row", got_r), ("col", got_c)):
+            assert_bytes_equal(got.cpu(), np.zeros((rows, cols), dtype=BF16), f"{name} dequantized")
 
 
 try:
