@@ -355,6 +355,30 @@ def test_prepass_dequantized_bytes_and_guard(mla, monkeypatch, case, rope, kerne
     assert unsafe == (case != "finite")
 
 
+def test_prepass_per_head_kernel_strided_gradient(mla):
+    # the per-head kernel reads g through its strides: a view with padded rows (row stride 2 x 192 + 64)
+    # and one with the feature axis strided give the contiguous copy's bytes and guard
+    mod, device = mla
+    rows, cols = 64, 2 * 192
+    g = (_rng("strided").standard_normal((rows, cols)) * 2.0 ** _rng("sm").integers(-12, 13, (rows, 1))).astype(BF16)
+    cos = to_torch(_rng("cos2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
+    sin = to_torch(_rng("sin2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
+    dense = to_torch(g, device)
+    padded = torch.zeros((rows, cols + 64), dtype=torch.bfloat16, device=device)
+    padded[:, :cols] = dense
+    spread = torch.zeros((rows, cols, 2), dtype=torch.bfloat16, device=device)
+    spread[:, :, 0] = dense
+    outs = []
+    for src in (dense, padded[:, :cols], spread[:, :, 0]):
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        outs.append((mod._prep_launch(src, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag), int(flag.item())))
+    (want_r, want_c), want_flag = outs[0]
+    for (got_r, got_c), got_flag in outs[1:]:
+        assert got_flag == want_flag == 0
+        assert_bytes_equal(got_r.cpu(), want_r.cpu(), "row dequantized")
+        assert_bytes_equal(got_c.cpu(), want_c.cpu(), "col dequantized")
+
+
 @pytest.mark.parametrize("kernel", ["general", "per-head"])
 @pytest.mark.parametrize("above", [False, True])
 def test_prepass_guard_at_the_smallest_code(mla, monkeypatch, kernel, above):
