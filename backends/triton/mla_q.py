@@ -894,7 +894,7 @@ def _grad_prep_kernel(
 
 
 PREPASS_HEADS_KERNEL = True  # False: the general kernel below serves the backward's form too (tools/sweep_prepass.py)
-_PREP_DQ_TILE = (32, 2)  # (rows per tile, warps) of the dequantized-output pre-pass (tools/sweep_prepass.py)
+_PREP_DQ_TILE = (32, 2)  # (rows per tile, warps) of the dequantized-output pre-pass: the fastest of six on the H200
 
 
 def _prep_launch(src2d, cos=None, sin=None, rope=False, write_bf16=False, row_q=False, col_q=False,
