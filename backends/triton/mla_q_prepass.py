@@ -1,6 +1,6 @@
 """The MXFP8 backward's pre-pass over the fused op's output gradient, with bf16 dequantized outputs.
 
-    row_dq, col_dq = prepass_dequantized(dq2, cos, sin, flag)
+    prepass_dequantized(dq2, cos, sin, flag, row_dq, col_dq, hw_cvt)   # fills row_dq, col_dq
 
 dq2 is the gradient of q viewed [T, H * 192] (bf16). Per head, the mla RoPE backward turns the RoPE
 part's halves (gL | gR, features 128..191) into interleaved pairs; the fp32 result g is then quantized
@@ -14,9 +14,9 @@ It computes the bytes of mla_q._grad_prep_kernel's dequantized outputs (tested b
 fewer instructions an element, which is what this memory-bound pass runs out of first:
 - the grid runs heads fastest, so the programs in flight together read and write whole token rows of
   g (one H200 sweep: 0.81 of copy bandwidth against 0.68-0.70 with tokens fastest); a program takes its
-  head's three 64-feature chunks in a loop, one chunk's values alive at a time (96 registers a thread
-  on sm90, several programs an SM); more heads per program (cos / sin then come from L1 after the first
-  head) measured slower;
+  head's three 64-feature chunks in a loop, one chunk's values alive at a time (96-126 registers a
+  thread for sm90 by the grid order, Triton 3.9 offline; several programs an SM); more heads per
+  program (cos / sin then come from L1 after the first head) measured slower;
 - on the GPU, each value's e4m3 rounding is the hardware conversion pair (fp32 -> e4m3 -> fp32, RN-even,
   saturating: _mxfp8.e4m3_value's definition) instead of ~10 integer and fp32 operations;
 - NaN is found per row block, from an integer max over |bits| (NaN's bits lie above Inf's, so the
