@@ -197,6 +197,9 @@ def prepass_dequantized(src2d: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     rows, cols = src2d.shape
     assert cols % MLA_QK_HEAD_DIM == 0 and cos.shape[-1] == MLA_ROPE_DIM, "callers pass [T, H * 192] and [T, 64]"
     tile = tile or TILE
+    if tile.tokens < 32 or tile.tokens & (tile.tokens - 1) or tile.heads < 1 or tile.warps < 1:
+        raise ValueError(f"tile: expected tokens a power of two >= 32 (whole column blocks), heads >= 1 and "
+                         f"warps >= 1, got {tile}")
     heads = cols // MLA_QK_HEAD_DIM
     grid = (cdiv(rows, tile.tokens), cdiv(heads, tile.heads))
     if tile.heads_fast:

@@ -355,6 +355,19 @@ def test_prepass_dequantized_bytes_and_guard(mla, monkeypatch, case, rope, kerne
     assert unsafe == (case != "finite")
 
 
+@pytest.mark.parametrize("tile", [(16, 1, 2, True), (48, 1, 2, True), (32, 0, 2, True)])
+def test_prepass_per_head_tile_checked(mla, tile):
+    import backends.triton.mla_q_prepass as prepass
+
+    mod, device = mla
+    g = torch.zeros((32, 192), dtype=torch.bfloat16, device=device)
+    trig = torch.zeros((32, 64), dtype=torch.float32, device=device)
+    out = torch.empty_like(g)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="tile: expected tokens a power of two"):
+        prepass.prepass_dequantized(g, trig, trig, flag, out, out.clone(), False, prepass.Tile(*tile))
+
+
 def test_prepass_per_head_kernel_strided_gradient(mla):
     # the per-head kernel reads g through its strides: a view with padded rows (row stride 2 x 192 + 64)
     # and one with the feature axis strided give the contiguous copy's bytes and guard
