@@ -157,8 +157,8 @@ def _prepass_dq_kernel(
     offs_h = tl.arange(0, HALF)
     cos_row = cos_ptr + rows.to(tl.int64)[:, None] * stride_cos + offs_h[None, :]
     sin_row = sin_ptr + rows.to(tl.int64)[:, None] * stride_sin + offs_h[None, :]
-    # one 64-feature chunk per trip (a loop, not unrolled: one chunk's values live at a time, ~80
-    # registers a thread, so many programs share an SM); chunk 2 of every head is its RoPE part
+    # one 64-feature chunk per trip (a loop, not unrolled: one chunk's values live at a time, so several
+    # programs share an SM); chunk 2 of every head is its RoPE part
     for c in range(HEADS * 3):
         head = pid_h * HEADS + c // 3
         if head < H:
