@@ -1,7 +1,8 @@
 """The backward pre-pass (RoPE backward + both quantizations, bf16 dequantized out) at DeepSeek-V3's
 [T, 128 * 192], on CUDA: the general pre-pass kernel (mla_q._grad_prep_kernel, its [32, 64] tile) and
-the per-head kernel (mla_q_prepass) at several (tokens, heads, warps) per program, each against a device
-copy of the same bytes timed in turns; bytes and guard compared with the general kernel's. Prints a table.
+the per-head kernel (mla_q_prepass) at several launch shapes (mla_q_prepass.Tile: tokens, heads, warps,
+grid order), all timed in turns with a device copy of g, whose bandwidth each pass's (6 bytes an element
+moved) is quoted against; bytes and guard compared with the general kernel's. Prints a table.
 
     python3 tools/sweep_prepass.py [--tokens 4096[,16384]]
 """
@@ -41,7 +42,12 @@ def sweep(t):
 
     def heads(tile):
         row, col = torch.empty_like(dq), torch.empty_like(dq)
-        return lambda: prepass.prepass_dequantized(dq, cos, sin, flag, row, col, True, tile) or (row, col)
+
+        def run():
+            prepass.prepass_dequantized(dq, cos, sin, flag, row, col, True, tile)
+            return row, col
+
+        return run
 
     want = [g.clone() for g in general()]
     runs = {"general [32, 64] / 2 warps": general}
