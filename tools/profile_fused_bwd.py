@@ -1,0 +1,97 @@
+"""The MXFP8 backward's routes on the GPU, in turns with the two bf16 cuBLAS GEMMs of the same shapes:
+"dequantized" (pre-pass + cuBLAS) and "fused" (mla_q_grad_gluon.py), for the block's operand form
+(x's columnwise MXFP8 copy, w's K-major columnwise copy), plus each fused GEMM kernel alone against
+its cuBLAS GEMM. Bytes of the two routes compared (fraction equal; max |diff| in bf16 ulps).
+
+    python tools/profile_fused_bwd.py [--tokens 4096,16384] [--route-only]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import torch  # noqa: E402
+
+import backends  # noqa: E402
+import benchlib  # noqa: E402
+
+backends.load()
+from backends.triton import mla_q as Q  # noqa: E402
+from backends.triton import mla_q_grad_gluon as G  # noqa: E402
+from backends.triton import mla_q_grad_operands as OPS  # noqa: E402
+from backends.triton import quantize as TQ  # noqa: E402
+from backends.triton.gemm import BF16_SAFE_SCALE_BYTES  # noqa: E402
+from spec.mxtensor import MXTensor  # noqa: E402
+
+SAFE = BF16_SAFE_SCALE_BYTES["e4m3"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--k", type=int, default=1536)
+    args = ap.parse_args()
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        H, K = args.heads, args.k
+        N = H * 192
+        g = torch.Generator(device="cuda").manual_seed(T)
+        x = torch.randn(T, K, device="cuda", generator=g).to(torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        dq = torch.randn(T, H, 192, device="cuda", generator=g).to(torch.bfloat16)
+        ang = torch.rand(T, 64, device="cuda", generator=g) * 6.283
+        cos, sin = torch.cos(ang), torch.sin(ang)
+        x_t = TQ.mxfp8_quantize(x, axis=0, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+        w_n = TQ.mxfp8_quantize(w, axis=0, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
+        w_n = MXTensor(w_n.data.t().contiguous().t(), w_n.scale.t().contiguous().t(), 0, "e4m3", "compact")
+        dq2 = dq.view(T, N)
+        deq = lambda: Q.mla_q_backward_launch(dq, x_t, w_n, cos, sin, True, route="dequantized")  # noqa: E731
+        fused = lambda: Q.mla_q_backward_launch(dq, x_t, w_n, cos, sin, True, route="fused")  # noqa: E731
+        t0 = time.time()
+        a = fused()
+        torch.cuda.synchronize()
+        first = time.time() - t0
+        b = deq()
+        for name, got, want in zip(("dx", "dw"), a, b):
+            d = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+            rows.append((T, f"bytes {name}: equal {float((d == 0).float().mean()):.6f}, max {int(d.max())} ulp, "
+                            f"finite {bool(torch.isfinite(got).all())}", "", ""))
+        gemms = lambda: (torch.matmul(dq2, w), torch.matmul(dq2.t(), x))  # noqa: E731
+        t = benchlib.interleaved_ms({"gemms": gemms, "dequantized": deq, "fused": fused})
+        rows.append((T, f"route dequantized (first call fused {first:.1f} s)", t["dequantized"], t["dequantized"] / t["gemms"]))
+        rows.append((T, "route fused", t["fused"], t["fused"] / t["gemms"]))
+        rows.append((T, "two bf16 cuBLAS GEMMs", t["gemms"], 1.0))
+        # the kernels alone
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        w16p = OPS.contraction_bf16(w_n, flag, SAFE, True, True)
+        x16t = OPS.contraction_bf16(x_t, flag, SAFE, False, True)
+        dx = torch.empty(T, K, device="cuda", dtype=torch.bfloat16)
+        dw = torch.empty(N, K, device="cuda", dtype=torch.bfloat16)
+        kdx = lambda: G.launch(G.FORM_DX, dq2, w16p, cos, sin, dx, flag, SAFE)  # noqa: E731
+        kdw = lambda: G.launch(G.FORM_DW, dq2, x16t, cos, sin, dw, flag, SAFE)  # noqa: E731
+        ops_w = lambda: OPS.contraction_bf16(w_n, flag, SAFE, True, True)  # noqa: E731
+        ops_x = lambda: OPS.contraction_bf16(x_t, flag, SAFE, False, True)  # noqa: E731
+        gdx = lambda: torch.matmul(dq2, w)  # noqa: E731
+        gdw = lambda: torch.matmul(dq2.t(), x)  # noqa: E731
+        t = benchlib.interleaved_ms({"gdx": gdx, "kdx": kdx, "gdw": gdw, "kdw": kdw, "opw": ops_w, "opx": ops_x})
+        rows.append((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))
+        rows.append((T, "fused dw kernel / cuBLAS dw GEMM", t["kdw"], t["kdw"] / t["gdw"]))
+        rows.append((T, "w operand pass (permuted, K-major)", t["opw"], ""))
+        rows.append((T, "x operand pass (K-major)", t["opx"], ""))
+        rows.append((T, f"flag after the kernels: {int(flag.item())}", "", ""))
+        del x, w, dq, x_t, w_n, dq2, w16p, x16t, dx, dw, a, b
+        torch.cuda.empty_cache()
+    print(f"\n{'T':>6} | {'what':<70} | {'ms':>8} | ratio")
+    for T, what, ms, ratio in rows:
+        ms_s = f"{ms:8.4f}" if ms != "" else " " * 8
+        r_s = f"{ratio:.3f}" if ratio != "" else ""
+        print(f"{T:>6} | {what:<70} | {ms_s} | {r_s}")
+
+
+if __name__ == "__main__":
+    main()
