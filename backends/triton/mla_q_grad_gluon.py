@@ -202,18 +202,29 @@ def _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin):
 
 
 @gluon.jit
+def _qdq_half(v, LO: gl.constexpr, HI: gl.constexpr):
+    """One quantization block per row of v [64, 32]: (bf16, unsafe rows)."""
+    s_inv, scale, unsafe = _factors(gl.max(_abs_bits(v), axis=1), LO, HI)
+    return _qdq(v, gl.expand_dims(s_inv, 1), gl.expand_dims(scale, 1)), unsafe
+
+
+@gluon.jit
+def _dw_half(g_half, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+    if pe:
+        v = _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin)
+    else:
+        v = g_half.load(A_LAYOUT).to(gl.float32)
+    return _qdq_half(v, LO, HI)
+
+
+@gluon.jit
 def _prep_dw(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad,
              LO: gl.constexpr, HI: gl.constexpr):
     """A operand halves of dw's k-step: 64 feature rows by 64 tokens (from t0); each half's 32 tokens of
-    a feature are one quantization block."""
-    if pe:
-        lo = _rope_dw_half(g_lo, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin)
-        hi = _rope_dw_half(g_hi, t0 + 32, T, cos_ptr, sin_ptr, stride_cos, stride_sin)
-    else:
-        lo = g_lo.load(A_LAYOUT).to(gl.float32)
-        hi = g_hi.load(A_LAYOUT).to(gl.float32)
-    qlo, qhi, unsafe = _qdq_rows(lo, hi, LO, HI)
-    return qlo, qhi, bad | unsafe.to(gl.int32)
+    a feature are one quantization block. One half's fp32 values live at a time."""
+    qlo, ulo = _dw_half(g_lo, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+    qhi, uhi = _dw_half(g_hi, pe, t0 + 32, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+    return qlo, qhi, bad | (ulo | uhi).to(gl.int32)
 
 
 @gluon.jit
