@@ -1184,7 +1184,7 @@ def _backward_fused(dq2, x, w, cos, sin):
     (mla_q_grad_operands.py). Products exact, sums in fp32, one rounding: the contract of the
     dequantized route. Guards as there: every kernel raises the flag, and the gated exact path (the
     pre-pass writing codes, the exact block GEMMs) recomputes both outputs when it is up."""
-    from .mla_q_grad_gluon import FORM_DW, FORM_DX, launch as grad_launch
+    from .mla_q_grad_gluon import launch_pair
     from .mla_q_grad_operands import contraction_bf16
 
     tokens, n = dq2.shape
@@ -1205,8 +1205,7 @@ def _backward_fused(dq2, x, w, cos, sin):
         dx.zero_()
         dw.zero_()
         return dx, dw
-    grad_launch(FORM_DX, g2, w16p, cos, sin, dx, flag, safe)
-    grad_launch(FORM_DW, g2, x16t, cos, sin, dw, flag, safe)
+    launch_pair(g2, w16p, x16t, cos, sin, dx, dw, flag, safe)  # both GEMMs, one persistent launch
     # exact fallback, each launch a no-op unless the flag is up
     g_codes = torch.empty((tokens, n), dtype=torch.float8_e4m3fn, device=device)
     g_scale = torch.empty((tokens, n // 32), dtype=torch.uint8, device=device)

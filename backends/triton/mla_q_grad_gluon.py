@@ -45,6 +45,7 @@ Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py); g2 and the other operand with
 """
 from __future__ import annotations
 
+import heapq
 import struct
 
 import torch
@@ -55,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, settle_cache_keys
-from ._gluon_compat import async_load, async_store
+from ._gluon_compat import async_load, async_store, reinterpret
 
 FORM_DX, FORM_DW = 0, 1
 TILE_G = gl.constexpr(128)  # g rows per output tile (tokens for dx, features for dw)
@@ -80,30 +81,41 @@ BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 # producer
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(g_desc, o_desc, g_ring, o_ring, ready, empty, R, K_SUM, NOUT,
-              FORM: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: every k-step of this program's tiles, in order, into the ring (TMA zero fill past the
+def _tile(item, n_dx, num_n, N, T):
+    """(form, first g row, first output column, k-steps) of a work item: ids below n_dx are dx tiles."""
+    form = (item >= n_dx).to(gl.int32)
+    t = gl.where(form == 0, item, item - n_dx)
+    k_sum = gl.where(form == 0, N, T)
+    # an even number of k-steps (the main loop takes them in pairs): an odd count gets one more, past K,
+    # which TMA fills with zeros (quantized to zero codes under scale byte 0: nothing added, no guard)
+    return form, (t // num_n) * TILE_G, (t % num_n) * TILE_N, ((gl.cdiv(k_sum, 64) + 1) // 2) * 2
+
+
+@gluon.jit
+def _producer(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty, sched_ptr, sched_len, n_dx, N, T,
+              KOUT, STAGES: gl.constexpr):
+    """One warp: every k-step of this program's items, in order, into the ring (TMA zero fill past the
     edges): g's tile as two K halves ([128, 32] for dx; for dw [32, 64] per warpgroup) and the other
-    operand's [192, 32] K halves in three [64, 32] boxes each (a TMA box side is a power of two)."""
+    operand's [256, 32] K halves."""
     nbytes: gl.constexpr = (TILE_G + TILE_N) * 64 * 2
-    num_n = gl.cdiv(NOUT, TILE_N)
-    k_steps = gl.cdiv(K_SUM, 64)
+    num_n = gl.cdiv(KOUT, TILE_N)
+    row = sched_ptr + gl.program_id(0) * sched_len
     c = 0
-    for tile in range(gl.program_id(0), gl.cdiv(R, TILE_G) * num_n, gl.num_programs(0)):
-        g0 = (tile // num_n) * TILE_G
-        n0 = (tile % num_n) * TILE_N
+    for i in range(gl.load(row)):
+        form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
         for kk in range(k_steps):
             s = c % STAGES
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
             for h in gl.static_range(2):
                 k0 = kk * 64 + h * KH
-                if FORM == 0:  # g [T, N]: rows g0.. are tokens, K = features
-                    async_load(g_desc, [g0, k0], ready.index(s), g_ring.index(2 * s + h))
+                if form == 0:  # g [T, N]: rows g0.. are tokens, K = features
+                    async_load(gx_desc, [g0, k0], ready.index(s), g_dx.index(2 * s + h))
+                    async_load(w_desc, [n0, k0], ready.index(s), o_ring.index(2 * s + h))
                 else:  # K = tokens, rows g0.. are features: one box per warpgroup
-                    async_load(g_desc, [k0, g0], ready.index(s), g_ring.index(4 * s + 2 * h))
-                    async_load(g_desc, [k0, g0 + HALF], ready.index(s), g_ring.index(4 * s + 2 * h + 1))
-                async_load(o_desc, [n0, k0], ready.index(s), o_ring.index(2 * s + h))
+                    async_load(gw_desc, [k0, g0], ready.index(s), g_dw.index(4 * s + 2 * h))
+                    async_load(gw_desc, [k0, g0 + HALF], ready.index(s), g_dw.index(4 * s + 2 * h + 1))
+                    async_load(x_desc, [n0, k0], ready.index(s), o_ring.index(2 * s + h))
             c += 1
 
 
@@ -181,40 +193,47 @@ def _prep_dx(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, ba
         qlo, qhi, unsafe = _qdq_rows_paired(ev, od, j, LO, HI)
     else:
         qlo, qhi, unsafe = _qdq_rows(lo, hi, LO, HI)
-    return qlo, qhi, bad | unsafe.to(gl.int32)
+    return qlo, qhi, bad | gl.max(unsafe.to(gl.int32), axis=0)
 
 
 @gluon.jit
-def _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin):
-    """fp32 [64, 32] in the A-operand layout: the RoPE backward of one warpgroup's 64 RoPE features
-    (rows; gL = rows 0..31, gR = rows 32..63) over 32 tokens (from t0), rows back in feature order."""
-    g_l = (g_half.slice(0, 32, dim=0).load(PAIR_LAYOUT)).to(gl.float32)
-    g_r = (g_half.slice(32, 32, dim=0).load(PAIR_LAYOUT)).to(gl.float32)
+def _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+    """(bf16 [64, 32] in the A-operand layout, unsafe) of one warpgroup's 64 RoPE feature rows (gL = rows
+    0..31, gR = rows 32..63) over 32 tokens (from t0): the RoPE backward and the quantize-dequantize
+    (one block per feature) in a layout holding each (j, j + 32) row pair in one thread, then the rows
+    interleaved back to feature order and moved to the A-operand layout as bf16 (through shared memory)."""
+    g_l = g_half.slice(0, 32, dim=0).load(PAIR_LAYOUT).to(gl.float32)
+    g_r = g_half.slice(32, 32, dim=0).load(PAIR_LAYOUT).to(gl.float32)
     j = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(1, PAIR_LAYOUT)), 1)
     toks = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, PAIR_LAYOUT)), 0)
-    toks = gl.minimum(t0 + toks, T - 1)
+    toks = gl.minimum(t0 + toks, T - 1)  # tokens past T (TMA zero fill) read the last row's table
     c_tok = cos_ptr + toks * stride_cos
     s_tok = sin_ptr + toks * stride_sin
     ev = g_l * gl.load(c_tok + j).to(gl.float32) + g_r * gl.load(s_tok + (j + 32)).to(gl.float32)
+    qe, ue = _qdq_half(ev, LO, HI)
     od = g_r * gl.load(c_tok + (j + 32)).to(gl.float32) - g_l * gl.load(s_tok + j).to(gl.float32)
-    pairs = gl.permute(gl.join(ev, od), (0, 2, 1))  # [32, 2, 32]: row 2j + parity
-    return gl.convert_layout(gl.reshape(pairs, [64, 32]), A_LAYOUT)
+    qo, uo = _qdq_half(od, LO, HI)
+    pairs = gl.permute(gl.join(qe, qo), (0, 2, 1))  # [32, 2, 32]: row 2j + parity
+    unsafe = gl.max((ue | uo).to(gl.int32), axis=0)
+    return gl.convert_layout(gl.reshape(pairs, [64, 32]), A_LAYOUT), unsafe
 
 
 @gluon.jit
 def _qdq_half(v, LO: gl.constexpr, HI: gl.constexpr):
-    """One quantization block per row of v [64, 32]: (bf16, unsafe rows)."""
+    """One quantization block per row of v [R, 32]: (bf16, unsafe rows)."""
     s_inv, scale, unsafe = _factors(gl.max(_abs_bits(v), axis=1), LO, HI)
     return _qdq(v, gl.expand_dims(s_inv, 1), gl.expand_dims(scale, 1)), unsafe
 
 
 @gluon.jit
 def _dw_half(g_half, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+    """(bf16 A operand half, unsafe: int32 scalar) of dw's k-step half."""
     if pe:
-        v = _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin)
+        q, unsafe = _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
     else:
-        v = g_half.load(A_LAYOUT).to(gl.float32)
-    return _qdq_half(v, LO, HI)
+        q, rows = _qdq_half(g_half.load(A_LAYOUT).to(gl.float32), LO, HI)
+        unsafe = gl.max(rows.to(gl.int32), axis=0)
+    return q, unsafe
 
 
 @gluon.jit
@@ -224,27 +243,28 @@ def _prep_dw(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, ba
     a feature are one quantization block. One half's fp32 values live at a time."""
     qlo, ulo = _dw_half(g_lo, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
     qhi, uhi = _dw_half(g_hi, pe, t0 + 32, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
-    return qlo, qhi, bad | (ulo | uhi).to(gl.int32)
+    return qlo, qhi, bad | ulo | uhi
 
 
 @gluon.jit
-def _prep(FORM: gl.constexpr, CID: gl.constexpr, g_ring, slot, kk, g0, T, cos_ptr, sin_ptr, stride_cos,
-          stride_sin, bad, LO: gl.constexpr, HI: gl.constexpr):
-    """This warpgroup's A operand halves for k-step kk of the tile at g row g0 (ring slot `slot`)."""
-    if FORM == 0:
-        g_lo = g_ring.index(2 * slot).slice(CID * HALF, HALF, dim=0)
-        g_hi = g_ring.index(2 * slot + 1).slice(CID * HALF, HALF, dim=0)
-        return _prep_dx(g_lo, g_hi, kk % 3 == 2, g0 + CID * HALF, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                        bad, LO, HI)
+def _prep(form, CID: gl.constexpr, g_dx, g_dw, slot, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad,
+          LO: gl.constexpr, HI: gl.constexpr):
+    """This warpgroup's A operand halves for k-step kk of the item at g row g0 (ring slot `slot`)."""
+    if form == 0:
+        g_lo = g_dx.index(2 * slot).slice(CID * HALF, HALF, dim=0)
+        g_hi = g_dx.index(2 * slot + 1).slice(CID * HALF, HALF, dim=0)
+        qlo, qhi, bad = _prep_dx(g_lo, g_hi, kk % 3 == 2, g0 + CID * HALF, T, cos_ptr, sin_ptr, stride_cos,
+                                 stride_sin, bad, LO, HI)
     else:
-        g_lo = g_ring.index(4 * slot + CID).permute((1, 0))
-        g_hi = g_ring.index(4 * slot + 2 + CID).permute((1, 0))
+        t_lo = g_dw.index(4 * slot + CID).permute((1, 0))
+        t_hi = g_dw.index(4 * slot + 2 + CID).permute((1, 0))
         pe = ((g0 + CID * HALF) // 64) % 3 == 2
-        return _prep_dw(g_lo, g_hi, pe, kk * 64, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
+        qlo, qhi, bad = _prep_dw(t_lo, t_hi, pe, kk * 64, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
+    return qlo, qhi, bad
 
 
 @gluon.jit
-def _mma(FORM: gl.constexpr, qlo, qhi, o_ring, slot, acc):
+def _mma(qlo, qhi, o_ring, slot, acc):
     """Both K halves' MMAs of one step (the other operand K-major: [TILE_N, 32] tiles as B [32, TILE_N])."""
     acc = warpgroup_mma(qlo, o_ring.index(2 * slot).permute((1, 0)), acc, is_async=True)
     return warpgroup_mma(qhi, o_ring.index(2 * slot + 1).permute((1, 0)), acc, is_async=True)
@@ -254,48 +274,38 @@ def _mma(FORM: gl.constexpr, qlo, qhi, o_ring, slot, acc):
 # consumers
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _mainloop(FORM: gl.constexpr, CID: gl.constexpr, g_ring, o_ring, ready, empty, c, g0, K_SUM, T,
+def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T,
               cos_ptr, sin_ptr, stride_cos, stride_sin, bad,
-              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, ODD_STEPS: gl.constexpr):
+              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
     """One tile's [64, TILE_N] fp32 accumulator for warpgroup CID from ring step c on; returns (acc, bad,
     c past the tile). Two A register sets (a, b) used alternately: a set is rewritten only after the
-    wait that retires the MMAs reading it (two wgmma groups a step)."""
-    k_steps = gl.cdiv(K_SUM, 64)
+    wait that retires the MMAs reading it (two wgmma groups a step). A runtime branch between an odd
+    and an even prologue made ptxas serialize the wgmma (C7512, register resources), hence even counts."""
     acc = gl.zeros([HALF, TILE_N], gl.float32, ACC_LAYOUT)
-    if ODD_STEPS:
-        first = 1
-        s = c % STAGES
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        b_lo, b_hi, bad = _prep(FORM, CID, g_ring, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
-        acc = _mma(FORM, b_lo, b_hi, o_ring, s, acc)
-        acc, b_lo, b_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b_lo, b_hi))
-        a_lo = b_lo
-        a_hi = b_hi
-    else:
-        first = 2
-        s = c % STAGES
-        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        a_lo, a_hi, bad = _prep(FORM, CID, g_ring, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
-        acc = _mma(FORM, a_lo, a_hi, o_ring, s, acc)
-        acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
-        s1 = (c + 1) % STAGES
-        mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-        b_lo, b_hi, bad = _prep(FORM, CID, g_ring, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
-        acc = _mma(FORM, b_lo, b_hi, o_ring, s1, acc)
-        acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
-        mbarrier.arrive(empty.index(s))
-    for kk in range(first, k_steps, 2):
+    # prologue: steps 0 and 1 (k_steps is even: _tile), so each pair below starts with one MMA in flight
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    a_lo, a_hi, bad = _prep(form, CID, g_dx, g_dw, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
+    acc = _mma(a_lo, a_hi, o_ring, s, acc)
+    acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
+    s1 = (c + 1) % STAGES
+    mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
+    b_lo, b_hi, bad = _prep(form, CID, g_dx, g_dw, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
+    acc = _mma(b_lo, b_hi, o_ring, s1, acc)
+    acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
+    mbarrier.arrive(empty.index(s))
+    for kk in range(2, k_steps, 2):
         s = (c + kk) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-        a_lo, a_hi, bad = _prep(FORM, CID, g_ring, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
-        acc = _mma(FORM, a_lo, a_hi, o_ring, s, acc)
+        a_lo, a_hi, bad = _prep(form, CID, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad, LO, HI)
+        acc = _mma(a_lo, a_hi, o_ring, s, acc)
         acc, b_lo, b_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b_lo, b_hi))
         mbarrier.arrive(empty.index((c + kk - 1) % STAGES))
         s = (c + kk + 1) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
-        b_lo, b_hi, bad = _prep(FORM, CID, g_ring, s, kk + 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad,
+        b_lo, b_hi, bad = _prep(form, CID, g_dx, g_dw, s, kk + 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, bad,
                                 LO, HI)
-        acc = _mma(FORM, b_lo, b_hi, o_ring, s, acc)
+        acc = _mma(b_lo, b_hi, o_ring, s, acc)
         acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
         mbarrier.arrive(empty.index((c + kk) % STAGES))
     acc, a_lo, a_hi, b_lo, b_hi = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_lo, a_hi, b_lo, b_hi))
@@ -304,57 +314,59 @@ def _mainloop(FORM: gl.constexpr, CID: gl.constexpr, g_ring, o_ring, ready, empt
 
 
 @gluon.jit
-def _consumer(FORM: gl.constexpr, CID: gl.constexpr, g_ring, o_ring, ready, empty, epi, out_desc, cos_ptr, sin_ptr,
-              flag_ptr, R, K_SUM, NOUT, T, stride_cos, stride_sin,
-              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, ODD_STEPS: gl.constexpr):
-    """Warpgroup CID: rows CID * 64 .. + 63 of every tile, stored by TMA as bf16; raises *flag_ptr for an
-    unsafe quantization block or an output not finite in bf16."""
-    num_n = gl.cdiv(NOUT, TILE_N)
-    bad = gl.zeros([HALF], gl.int32, gl.SliceLayout(1, A_LAYOUT))
-    amax = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, ACC_LAYOUT))
+def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
+              sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
+              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup CID: rows CID * 64 .. + 63 of every item's tile, stored by TMA as bf16; raises *flag_ptr
+    for an unsafe quantization block or an output not finite in bf16."""
+    num_n = gl.cdiv(KOUT, TILE_N)
+    bad = gl.program_id(0) * 0  # int32 scalar: an unsafe quantization block was seen
+    big = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, ACC_LAYOUT))
+    row = sched_ptr + gl.program_id(0) * sched_len
     c = 0
-    for tile in range(gl.program_id(0), gl.cdiv(R, TILE_G) * num_n, gl.num_programs(0)):
-        g0 = (tile // num_n) * TILE_G
-        n0 = (tile % num_n) * TILE_N
-        acc, bad, c = _mainloop(FORM, CID, g_ring, o_ring, ready, empty, c, g0, K_SUM, T, cos_ptr, sin_ptr,
-                                stride_cos, stride_sin, bad, LO, HI, STAGES, ODD_STEPS)
-        # |acc| >= the bf16 overflow threshold, or NaN (a NaN compares false: counted through the sum)
-        big = gl.max(gl.where(gl.abs(acc) < BF16_ROUNDS_TO_INF, 0.0, 1.0), axis=1)
-        amax = gl.maximum(amax, big)
+    for i in range(gl.load(row)):
+        form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
+        acc, bad, c = _mainloop(form, CID, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T, cos_ptr, sin_ptr,
+                                stride_cos, stride_sin, bad, LO, HI, STAGES)
+        # |acc| at or past the bf16 overflow threshold, or NaN (which compares false)
+        big = gl.maximum(big, gl.max(gl.where(gl.abs(acc) < BF16_ROUNDS_TO_INF, 0.0, 1.0), axis=1))
         tma.store_wait(0)  # this warpgroup's previous tile has left its buffer
         epi.store(acc.to(gl.bfloat16))
         fence_async_shared()
         for r in gl.static_range(TILE_N // 64):
-            async_store(out_desc, [g0 + CID * HALF, n0 + r * 64], epi.slice(r * 64, 64, dim=1))
+            if form == 0:
+                async_store(dx_desc, [g0 + CID * HALF, n0 + r * 64], epi.slice(r * 64, 64, dim=1))
+            else:
+                async_store(dw_desc, [g0 + CID * HALF, n0 + r * 64], epi.slice(r * 64, 64, dim=1))
     tma.store_wait(0)
-    raise_flag = (gl.max(bad, axis=0) != 0) | (gl.max(amax, axis=0) != 0.0)
+    raise_flag = (bad != 0) | (gl.max(big, axis=0) != 0.0)
     gl.store(flag_ptr, 1, mask=raise_flag)
 
 
 @gluon.jit
-def _mla_q_grad_gemm_kernel(g_desc, o_desc, out_desc, cos_ptr, sin_ptr, flag_ptr, R, K_SUM, NOUT, T,
-                            stride_cos, stride_sin,
-                            FORM: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr,
-                            ODD_STEPS: gl.constexpr):
-    """Persistent: a TMA producer warp and two consumer warpgroups sharing each TILE_G x TILE_N tile."""
-    if FORM == 0:  # g: [rows, K half] per half
-        g_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_G, KH], g_desc.layout)
-    else:  # g: [K half, 64 rows] per half and warpgroup
-        g_ring = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KH, HALF], g_desc.layout)
-    o_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_N, KH], o_desc.layout)
+def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, sched_ptr, cos_ptr, sin_ptr, flag_ptr,
+                            sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
+                            LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
+    """Persistent: a TMA producer warp and two consumer warpgroups sharing each TILE_G x TILE_N tile of
+    the items the schedule row of this program lists."""
+    # g's ring, viewed per form: dw's [32, 64] boxes (128-byte swizzle), dx's [128, 32] (64-byte)
+    g_dw = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KH, HALF], gw_desc.layout)
+    g_dx = reinterpret(g_dw, gl.bfloat16, [2 * STAGES, TILE_G, KH], gx_desc.layout)
+    o_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_N, KH], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    epi_a = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], out_desc.layout)
-    epi_b = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], out_desc.layout)
+    epi_a = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
+    epi_b = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
     gl.warp_specialize([
-        (_consumer, (FORM, 0, g_ring, o_ring, ready, empty, epi_a, out_desc, cos_ptr, sin_ptr, flag_ptr, R, K_SUM,
-                     NOUT, T, stride_cos, stride_sin, LO, HI, STAGES, ODD_STEPS)),
-        (_consumer, (FORM, 1, g_ring, o_ring, ready, empty, epi_b, out_desc, cos_ptr, sin_ptr, flag_ptr, R, K_SUM,
-                     NOUT, T, stride_cos, stride_sin, LO, HI, STAGES, ODD_STEPS)),
-        (_producer, (g_desc, o_desc, g_ring, o_ring, ready, empty, R, K_SUM, NOUT, FORM, STAGES)),
+        (_consumer, (0, g_dx, g_dw, o_ring, ready, empty, epi_a, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES)),
+        (_consumer, (1, g_dx, g_dw, o_ring, ready, empty, epi_b, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES)),
+        (_producer, (gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty, sched_ptr, sched_len, n_dx,
+                     N, T, KOUT, STAGES)),
     ], [4, 1], [232, 40])
 
 
@@ -366,31 +378,68 @@ def _desc(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def launch(form: int, g2: torch.Tensor, other: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           out: torch.Tensor, flag: torch.Tensor, safe_bytes, config=None) -> None:
-    """form FORM_DX: out [T, K] = Q_rows(g) @ other^T with other [K, N] (permuted_weight's order);
-    form FORM_DW: out [N, K] = Q_cols(g)^T @ other^T with other [K, T] (x's dequantization, K-major).
-    g2 [T, N] bf16; cos / sin [T, 64] (unit last stride); flag int32 [1], raised (never cleared) when
-    the caller's exact path must recompute."""
+_SCHEDULES: dict = {}
+
+
+def schedule(n_dx: int, dx_steps: int, n_dw: int, dw_steps: int, programs: int, device) -> torch.Tensor:
+    """int32 [programs, 1 + L]: row p = (count, item ids...) of program p. Longest items first, each to
+    the least loaded program (ties: the lower index), so dx's long tiles and dw's short ones end within
+    one short item of each other; cached per shape."""
+    key = (n_dx, dx_steps, n_dw, dw_steps, programs, str(device))
+    sched = _SCHEDULES.get(key)
+    if sched is None:
+        items = sorted([(dx_steps, i) for i in range(n_dx)] + [(dw_steps, n_dx + i) for i in range(n_dw)],
+                       key=lambda it: (-it[0], it[1]))
+        heap = [(0, p) for p in range(programs)]
+        lists = [[] for _ in range(programs)]
+        for steps, item in items:
+            load, p = heapq.heappop(heap)
+            lists[p].append(item)
+            heapq.heappush(heap, (load + steps, p))
+        width = 1 + max(len(lst) for lst in lists)
+        rows = [[len(lst)] + lst + [0] * (width - 1 - len(lst)) for lst in lists]
+        sched = torch.tensor(rows, dtype=torch.int32, device=device)
+        _SCHEDULES[key] = sched
+    return sched
+
+
+def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tensor, dx, dw, flag: torch.Tensor,
+                safe_bytes, config=None) -> None:
+    """dx [T, K] = Q_rows(g) @ w16p^T with w16p [K, N] (permuted_weight's order) and dw [N, K] =
+    Q_cols(g)^T @ x16t^T with x16t [K, T] (x's dequantization, K-major), in one persistent launch; either
+    pair member may be None (that output is not computed). g2 [T, N] bf16; cos / sin [T, 64] (unit last
+    stride); flag int32 [1], raised (never cleared) when the caller's exact path must recompute."""
     cfg = dict(CONFIGS[0] if config is None else config)
     tokens, n = g2.shape
+    other = w16p if w16p is not None else x16t
+    kout = other.shape[0]
+    num_n = cdiv(kout, TILE_N_COLS)
+    n_dx = cdiv(tokens, TILE_G_ROWS) * num_n if w16p is not None else 0
+    n_dw = cdiv(n, TILE_G_ROWS) * num_n if x16t is not None else 0
+    if not (n_dx or n_dw):
+        return
+    sms = torch.cuda.get_device_properties(g2.device).multi_processor_count
+    programs = min(sms, n_dx + n_dw)
+    sched = schedule(n_dx, cdiv(n, 64), n_dw, cdiv(tokens, 64), programs, g2.device)
+    w_desc = _desc(w16p if w16p is not None else x16t, [TILE_N_COLS, K_HALF])
+    x_desc = _desc(x16t if x16t is not None else w16p, [TILE_N_COLS, K_HALF])
+    dx_desc = _desc(dx if dx is not None else dw, [64, 64])
+    dw_desc = _desc(dw if dw is not None else dx, [64, 64])
+    _mla_q_grad_gemm_kernel[(programs,)](
+        _desc(g2, [TILE_G_ROWS, K_HALF]), _desc(g2, [K_HALF, 64]), w_desc, x_desc, dx_desc, dw_desc, sched,
+        cos, sin, flag, sched.shape[1], n_dx, n, tokens, kout, cos.stride(0), sin.stride(0),
+        LO=int(safe_bytes[0]), HI=int(safe_bytes[1]), STAGES=cfg["STAGES"], num_warps=NUM_WARPS,
+        enable_fp_fusion=False)
+
+
+def launch(form: int, g2, other, cos, sin, out, flag, safe_bytes, config=None) -> None:
+    """One of launch_pair's GEMMs: form FORM_DX (other = w16p, out = dx) or FORM_DW (x16t, dw)."""
     if form == FORM_DX:
-        rows, k_sum = tokens, n
-        g_desc = _desc(g2, [TILE_G_ROWS, K_HALF])
+        launch_pair(g2, other, None, cos, sin, out, None, flag, safe_bytes, config)
     elif form == FORM_DW:
-        rows, k_sum = n, tokens
-        g_desc = _desc(g2, [K_HALF, 64])
+        launch_pair(g2, None, other, cos, sin, None, out, flag, safe_bytes, config)
     else:
         raise ValueError(f"form: expected FORM_DX or FORM_DW, got {form!r}")
-    nout = other.shape[0]
-    o_desc = _desc(other, [TILE_N_COLS, K_HALF])
-    out_desc = _desc(out, [64, 64])
-    tiles = cdiv(rows, TILE_G_ROWS) * cdiv(nout, TILE_N_COLS)
-    sms = torch.cuda.get_device_properties(out.device).multi_processor_count
-    _mla_q_grad_gemm_kernel[(min(sms, tiles),)](
-        g_desc, o_desc, out_desc, cos, sin, flag, rows, k_sum, nout, tokens, cos.stride(0), sin.stride(0),
-        FORM=form, LO=int(safe_bytes[0]), HI=int(safe_bytes[1]), STAGES=cfg["STAGES"],
-        ODD_STEPS=int(cdiv(k_sum, 64) % 2 == 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 settle_cache_keys(globals())  # before a compile-ahead thread can hash these kernels (_common)
