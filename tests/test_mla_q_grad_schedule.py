@@ -1,0 +1,42 @@
+"""The fused MXFP8 backward's work schedule (backends/triton/mla_q_grad_gluon.schedule): every dx and dw
+tile exactly once, longest items first, and the programs' k-step loads within one short item of each
+other (host code; no GPU)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+G = pytest.importorskip("backends.triton.mla_q_grad_gluon")
+
+
+@pytest.mark.parametrize("n_dx,dx_steps,n_dw,dw_steps,programs", [
+    (192, 384, 1152, 64, 132),   # DeepSeek-V3, T = 4096: dx alone would be 1.45 waves
+    (768, 384, 1152, 256, 132),  # T = 16384
+    (6, 9, 18, 2, 132),          # fewer items than programs
+    (0, 4, 10, 2, 4),            # dw only
+    (10, 4, 0, 2, 4),            # dx only
+])
+def test_schedule_covers_every_item_once_and_balances(n_dx, dx_steps, n_dw, dw_steps, programs):
+    sched = G.schedule(n_dx, dx_steps, n_dw, dw_steps, programs, "cpu").tolist()
+    assert len(sched) == programs
+    seen = []
+    loads = []
+    for row in sched:
+        count, items = row[0], row[1:1 + row[0]]
+        assert all(v == 0 for v in row[1 + count:])
+        seen += items
+        loads.append(sum(dx_steps if i < n_dx else dw_steps for i in items))
+        steps = [dx_steps if i < n_dx else dw_steps for i in items]
+        assert steps == sorted(steps, reverse=True), "a program takes its longest items first"
+    assert sorted(seen) == list(range(n_dx + n_dw))
+    busy = [ld for ld in loads if ld]
+    shortest = min(dw_steps if n_dw else dx_steps, dx_steps if n_dx else dw_steps)
+    if n_dx + n_dw >= programs:
+        assert max(busy) - min(busy) <= max(dx_steps if n_dx else 0, dw_steps if n_dw else 0)
+        if n_dw * dw_steps >= programs * dx_steps:  # enough short items to level the long ones
+            assert max(busy) - min(busy) <= shortest
+
+
+def test_schedule_is_cached_per_shape():
+    a = G.schedule(12, 6, 30, 2, 8, "cpu")
+    assert G.schedule(12, 6, 30, 2, 8, "cpu") is a
