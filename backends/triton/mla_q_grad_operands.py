@@ -25,23 +25,15 @@ from ._common import cdiv, fast_launch, placeholder
 from ._fpbits import round_f32
 from ._mxfp8 import bf16_unsafe, decode_e4m3, scale_value
 
-_BLOCK_C = 32  # output rows (C) per program; each program writes one 64-wide chunk of them
-
-
 @triton.jit
 def _contraction_bf16_kernel(src_ptr, scale_ptr, out_ptr, flag_ptr, R, C, s_r, s_c, ss_r, ss_c,
                              BF16_SRC: tl.constexpr, PERMUTE: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr,
                              HW_CVT: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[c, p] = dq(src)[row(p), c] for the program's BLOCK_C values of c and 64 positions p."""
+    """out[c, p] = dq(src)[row(p), c] for the program's BLOCK_C values of c and one 64-row chunk of r: read
+    in the source's order (contiguous), the RoPE chunk's rows de-interleaved in registers."""
     pid_c = tl.program_id(0)
     chunk = tl.program_id(1)
-    o = tl.arange(0, 64)
-    if PERMUTE:
-        rope = (chunk % 3) == 2
-        o_src = tl.where(rope, tl.where(o < 32, 2 * o, 2 * (o - 32) + 1), o)
-    else:
-        o_src = o
-    r = chunk * 64 + o_src
+    r = chunk * 64 + tl.arange(0, 64)
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = (c < C)[:, None] & (r < R)[None, :]
     src = src_ptr + r.to(tl.int64)[None, :] * s_r + c.to(tl.int64)[:, None] * s_c
@@ -60,8 +52,15 @@ def _contraction_bf16_kernel(src_ptr, scale_ptr, out_ptr, flag_ptr, R, C, s_r, s
         y = x.to(tl.bfloat16)
     else:  # the interpreter's cast truncates: round on the bits
         y = round_f32(x, tl.bfloat16)
-    out = out_ptr + c.to(tl.int64)[:, None] * R + (chunk * 64 + o).to(tl.int64)[None, :]
-    tl.store(out, y, mask=(c < C)[:, None] & ((chunk * 64 + o) < R)[None, :])
+    out = out_ptr + c.to(tl.int64)[:, None] * R + r.to(tl.int64)[None, :]
+    out_ok = (c < C)[:, None] & (r < R)[None, :]
+    if PERMUTE and chunk % 3 == 2:
+        # rows 2j, 2j + 1 -> positions j, 32 + j (whole heads: the chunk is in range)
+        y = tl.reshape(tl.permute(tl.reshape(y, [BLOCK_C, 32, 2]), [0, 2, 1]), [BLOCK_C, 64])
+    tl.store(out, y, mask=out_ok)
+
+
+_BLOCK_C = 64  # output rows (C) per program; each program writes one 64-wide chunk of them
 
 
 def contraction_bf16(src, flag: torch.Tensor, safe_bytes, permute_rope: bool, hw_cvt: bool) -> torch.Tensor:
