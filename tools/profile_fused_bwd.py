@@ -82,6 +82,13 @@ def main():
         t = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, "gdx": gdx, "kdx": kdx, "gdw": gdw, "kdw": kdw,
                                      "opw": ops_w, "opx": ops_x})
         rows.append((T, "fused dx + dw, one launch / the two cuBLAS GEMMs", t["kboth"], t["kboth"] / t["gemms"]))
+        # where the kernel's time goes: the same launch without the quantization (1) or the RoPE (2)
+        var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
+                                                   config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
+        t2 = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, **var})
+        rows.append((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
+        rows.append((T, "  same, g's bf16 values straight to the MMA (timing only)", t2["p1"], t2["p1"] / t2["gemms"]))
+        rows.append((T, "  same, quantized without RoPE (timing only)", t2["p2"], t2["p2"] / t2["gemms"]))
         rows.append((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))
         rows.append((T, "fused dw kernel / cuBLAS dw GEMM", t["kdw"], t["kdw"] / t["gdw"]))
         rows.append((T, "w operand pass (permuted, K-major)", t["opw"], ""))

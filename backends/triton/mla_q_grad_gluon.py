@@ -244,17 +244,27 @@ def _prep_dw(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO
 
 @gluon.jit
 def _prep(form, CID: gl.constexpr, g_dx, g_dw, slot, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-          LO: gl.constexpr, HI: gl.constexpr):
-    """This warpgroup's A operand halves for k-step kk of the item at g row g0 (ring slot `slot`)."""
+          LO: gl.constexpr, HI: gl.constexpr, PROFILE: gl.constexpr):
+    """This warpgroup's A operand halves for k-step kk of the item at g row g0 (ring slot `slot`).
+    PROFILE (timing only, wrong results): 1 hands g's bf16 values to the MMA as they are, 2 quantizes
+    without the RoPE backward."""
+    if PROFILE == 1:
+        if form == 0:
+            qlo = g_dx.index(2 * slot).slice(CID * HALF, HALF, dim=0).load(A_LAYOUT)
+            qhi = g_dx.index(2 * slot + 1).slice(CID * HALF, HALF, dim=0).load(A_LAYOUT)
+        else:
+            qlo = g_dw.index(4 * slot + CID).permute((1, 0)).load(A_LAYOUT)
+            qhi = g_dw.index(4 * slot + 2 + CID).permute((1, 0)).load(A_LAYOUT)
+        return qlo, qhi
     if form == 0:
         g_lo = g_dx.index(2 * slot).slice(CID * HALF, HALF, dim=0)
         g_hi = g_dx.index(2 * slot + 1).slice(CID * HALF, HALF, dim=0)
-        qlo, qhi = _prep_dx(g_lo, g_hi, kk % 3 == 2, g0 + CID * HALF, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
+        qlo, qhi = _prep_dx(g_lo, g_hi, (kk % 3 == 2) & (PROFILE != 2), g0 + CID * HALF, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             LO, HI)
     else:
         t_lo = g_dw.index(4 * slot + CID).permute((1, 0))
         t_hi = g_dw.index(4 * slot + 2 + CID).permute((1, 0))
-        pe = ((g0 + CID * HALF) // 64) % 3 == 2
+        pe = (((g0 + CID * HALF) // 64) % 3 == 2) & (PROFILE != 2)
         qlo, qhi = _prep_dw(t_lo, t_hi, pe, kk * 64, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
     return qlo, qhi
 
@@ -271,7 +281,8 @@ def _mma(qlo, qhi, o_ring, slot, acc):
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
 def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T,
-              cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
+              cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr,
+              PROFILE: gl.constexpr):
     """One tile's [64, TILE_N] fp32 accumulator for warpgroup CID from ring step c on; returns (acc, c past
     the tile). Two A register sets (a, b) used alternately: a set is rewritten only after the
     wait that retires the MMAs reading it (two wgmma groups a step). A runtime branch between an odd
@@ -280,26 +291,26 @@ def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, 
     # prologue: steps 0 and 1 (k_steps is even: _tile), so each pair below starts with one MMA in flight
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-    a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+    a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
     acc = _mma(a_lo, a_hi, o_ring, s, acc)
     acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
     s1 = (c + 1) % STAGES
     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-    b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+    b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
     acc = _mma(b_lo, b_hi, o_ring, s1, acc)
     acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
     mbarrier.arrive(empty.index(s))
     for kk in range(2, k_steps, 2):
         s = (c + kk) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-        a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+        a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
         acc = _mma(a_lo, a_hi, o_ring, s, acc)
         acc, b_lo, b_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b_lo, b_hi))
         mbarrier.arrive(empty.index((c + kk - 1) % STAGES))
         s = (c + kk + 1) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
         b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s, kk + 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                                LO, HI)
+                                LO, HI, PROFILE)
         acc = _mma(b_lo, b_hi, o_ring, s, acc)
         acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
         mbarrier.arrive(empty.index((c + kk) % STAGES))
@@ -311,7 +322,7 @@ def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, 
 @gluon.jit
 def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
               sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
-              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
+              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr):
     """Warpgroup CID: rows CID * 64 .. + 63 of every item's tile, stored by TMA as bf16; raises *flag_ptr
     for an output not finite in bf16 (an unsafe quantization block makes its rows NaN: _factors)."""
     num_n = gl.cdiv(KOUT, TILE_N)
@@ -321,7 +332,7 @@ def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc,
     for i in range(gl.load(row)):
         form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
         acc, c = _mainloop(form, CID, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T, cos_ptr, sin_ptr,
-                           stride_cos, stride_sin, LO, HI, STAGES)
+                           stride_cos, stride_sin, LO, HI, STAGES, PROFILE)
         # |acc| at or past the bf16 overflow threshold, or NaN (which compares false)
         big = gl.maximum(big, gl.max(gl.where(gl.abs(acc) < BF16_ROUNDS_TO_INF, 0.0, 1.0), axis=1))
         tma.store_wait(0)  # this warpgroup's previous tile has left its buffer
@@ -340,7 +351,7 @@ def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc,
 @gluon.jit
 def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, sched_ptr, cos_ptr, sin_ptr, flag_ptr,
                             sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
-                            LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr):
+                            LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr = 0):
     """Persistent: a TMA producer warp and two consumer warpgroups sharing each TILE_G x TILE_N tile of
     the items the schedule row of this program lists."""
     # g's ring, viewed per form: dw's [32, 64] boxes (128-byte swizzle), dx's [128, 32] (64-byte)
@@ -356,9 +367,9 @@ def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, 
     epi_b = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
     gl.warp_specialize([
         (_consumer, (0, g_dx, g_dw, o_ring, ready, empty, epi_a, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
-                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES)),
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE)),
         (_consumer, (1, g_dx, g_dw, o_ring, ready, empty, epi_b, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
-                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES)),
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE)),
         (_producer, (gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty, sched_ptr, sched_len, n_dx,
                      N, T, KOUT, STAGES)),
     ], [4, 1], [232, 40])
@@ -422,7 +433,8 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
     _mla_q_grad_gemm_kernel[(programs,)](
         _desc(g2, [TILE_G_ROWS, K_HALF]), _desc(g2, [K_HALF, 64]), w_desc, x_desc, dx_desc, dw_desc, sched,
         cos, sin, flag, sched.shape[1], n_dx, n, tokens, kout, cos.stride(0), sin.stride(0),
-        LO=int(safe_bytes[0]), HI=int(safe_bytes[1]), STAGES=cfg["STAGES"], num_warps=NUM_WARPS,
+        LO=int(safe_bytes[0]), HI=int(safe_bytes[1]), STAGES=cfg["STAGES"], PROFILE=cfg.get("PROFILE", 0),
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False)
 
 
