@@ -1,8 +1,9 @@
 """The MXFP8 backward's two GEMMs with g's RoPE backward and MXFP8 quantize-dequantize inside the main
 loop (sm90, Gluon): no pre-pass, and no quantized or dequantized copy of g is written.
 
-    launch(FORM_DX, g2, w16p, cos, sin, dx, flag)   # dx [T, K] = Q_rows(g) @ w_n        (sum over N)
-    launch(FORM_DW, g2, x16,  cos, sin, dw, flag)   # dw [N, K] = Q_cols(g)^T @ x_t      (sum over T)
+    launch_pair(g2, w16p, x16t, cos, sin, dx, dw, flag, safe)  # both, one persistent launch
+    # dx [T, K] = Q_rows(g) @ w_n   (sum over N);   dw [N, K] = Q_cols(g)^T @ x_t   (sum over T)
+    launch(FORM_DX or FORM_DW, g2, other, cos, sin, out, flag, safe)  # one of them
 
 g2 is the fused op's output gradient viewed [T, N = H * 192] (bf16, read as it is, by TMA). Each
 k-step's g tile goes from shared memory into the wgmma A-operand registers, is widened to fp32, put
@@ -10,35 +11,40 @@ through the mla RoPE backward where it holds a head's RoPE features (fp32, no FM
 pre-pass's rounding), and quantized to e4m3 with its rceil block scale along the GEMM's contraction axis
 and dequantized again (exact in bf16 where the guard stays down), so the MMA multiplies exactly the
 spec's g_row (dx) or g_col (dw) by the other operand. This is the spec's MXFP8 backward (spec/mla_q.py)
-with the products exact and the sum in fp32: the contract of the two-GEMM route it replaces
-(mla_q._backward_dequantized), whose pre-pass reads g once and writes two bf16 copies (6 bytes an
-element; 0.18 ms of a 1.12 ms backward at T = 4096 on the H200).
+with the products exact and the sum in fp32: the contract of the two-GEMM route (mla_q's "dequantized"),
+whose pre-pass reads g once and writes two bf16 copies (6 bytes an element; 0.18 ms of a 1.12 ms
+backward at T = 4096 on the H200). The other operands come from mla_q_grad_operands.py: w16p [K, N]
+(w's RoPE rows in this kernel's order, below) and x16t [K, T], both dequantized K-major.
 
-Why g is the register operand: wgmma takes only A from registers, and the per-element work (about a
-dozen instructions) is paid once per A element per output tile of 192 columns; as the B operand (in
-shared memory) it would be paid per 128-row tile and need a second shared-memory pass.
+Why g is the register operand: wgmma takes only A from registers, and the per-element work is paid
+once per A element per 256-column output tile; as the B operand (in shared memory) it would be paid
+per 128-row tile and need a second shared-memory pass. Measured (BENCHMARKS.md), that work is still
+what sets the pace: the route is named only.
 
 The RoPE pairs (a head's features 128 + j and 160 + j turn into its features 128 + 2j and 129 + 2j):
 - dx (K = features): a k-step is one 64-feature chunk, loaded as two 32-feature halves, so feature j and
   j + 32 of the chunk sit in one thread at the same register index of the two halves. The rotated
   values stay there -- position j holds feature 2j, position 32 + j feature 2j + 1 -- and w's
-  dequantized copy is written in that order (`permuted_weight`), so the contraction pairs them right.
-  The quantization blocks then are positions {0..15, 32..47} (features 0..31) and {16..31, 48..63}.
+  dequantized copy is written in that order, so the contraction pairs them right. The quantization
+  blocks then are positions {0..15, 32..47} (features 0..31) and {16..31, 48..63}.
 - dw (rows = features): a RoPE chunk is one warpgroup's 64 rows; rows j and j + 32 belong to different
   warps, so its two halves are loaded into one blocked layout (pairs in one thread), rotated,
-  interleaved back to feature order and moved into the A-operand layout through shared memory
-  (gl.convert_layout). The output keeps feature order.
+  quantized, interleaved back to feature order and moved into the A-operand layout through shared
+  memory (gl.convert_layout). The output keeps feature order.
 
 Guards (the caller's gated exact path recomputes everything when *flag is raised): a quantization block
 whose scale byte is outside BF16_SAFE_SCALE_BYTES over a nonzero code, or that holds NaN / Inf
-(mla_q_prepass._block_factors' rule), and an output not finite in bf16.
+(mla_q_prepass._block_factors' rule), gets a NaN factor, so its output row is NaN; the epilogue raises
+the flag for every output not finite in bf16.
 
-Kernel: persistent (one program per SM); a TMA producer warp fills a ring of STAGES slots, each the two
-32-wide K halves of a [128, 64] tile of g and of a [192, 64] tile of the other operand; two consumer
-warpgroups share each 128 x 192 output tile (64 g rows each, 96 fp32 accumulator registers a thread),
-prepare step k's A operand while step k - 1's MMAs run (two register sets used alternately, the loop
-unrolled by two as in _gluon_mx.mainloop) and store their half of the tile by TMA. Output tiles run
-with the 192-column side fastest, so a g band is read from memory once.
+Kernel: persistent (one program per SM), its work items (dx and dw tiles of 128 g rows x 256 output
+columns) listed per program by `schedule` (longest first, each to the least loaded program: dx alone is
+192 tiles for 132 SMs at T = 4096). A TMA producer warp fills a ring of STAGES slots, each the two
+32-wide K halves of a tile of g and of the other operand; two consumer warpgroups share each tile (64 g
+rows each, 128 fp32 accumulator registers a thread), prepare step k's A operand while step k - 1's MMAs
+run (two register sets used alternately, k-steps in pairs: an odd count gets one zero step) and store
+their half of the tile by TMA. PROFILE (a launch config key) leaves the quantization (1) or the RoPE (2)
+out, for timing only.
 
 Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py); g2 and the other operand with unit last stride and
 16-byte aligned rows; T a multiple of 32; K (the output's width) a multiple of 8.
