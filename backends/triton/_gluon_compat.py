@@ -23,7 +23,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin, shared_memory_descriptor
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 SUPPORTED_TRITON = ("3.6.", "3.9.")
 
@@ -57,3 +57,15 @@ def tile_coords(tile, num_m, H, GROUP_M: gl.constexpr):
     first_m = (tile // per_group) * GROUP_M
     group_m = gl.minimum(num_m - first_m, GROUP_M)
     return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    """(ready, empty) mbarriers of a STAGES-slot TMA ring: a slot is ready once its loads land (one
+    producer arrival plus the bytes), and empty once each of CONSUMERS warpgroups has arrived."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    return ready, empty

@@ -51,11 +51,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, settle_cache_keys
-from ._gluon_compat import async_store, tile_coords  # tile_coords: GROUP_M a tiles per b tile
+from ._gluon_compat import async_store, ring_barriers, tile_coords  # tile_coords: GROUP_M a tiles per b tile
 from ._gluon_mx import (HALF, TILE_A, TILE_A_ROWS, TILE_B, TILE_B_ROWS, checked_config, guard_state, mainloop,
                         max_nan, producer, raise_guard, row_state)
 
@@ -103,11 +103,7 @@ def _mxfp8_gemm_gluon_kernel(a_desc, b_desc, out_desc, b_scale_ptr, flag_ptr, M,
     TILE_A x TILE_B output tile (64 of its b rows each)."""
     a_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, TILE_A, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, TILE_B, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = ring_barriers(STAGES, 2)
     epi_a = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], out_desc.layout)
     epi_b = gl.allocate_shared_memory(gl.bfloat16, [TILE_A, HALF], out_desc.layout)
     # every argument tuple written out in full: a tuple assigned to a name, or concatenated, turns

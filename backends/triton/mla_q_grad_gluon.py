@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, settle_cache_keys
-from ._gluon_compat import async_load, async_store, reinterpret
+from ._gluon_compat import async_load, async_store, reinterpret, ring_barriers
 
 FORM_DX, FORM_DW = 0, 1
 TILE_G = gl.constexpr(128)  # g rows per output tile (tokens for dx, features for dw)
@@ -364,11 +364,7 @@ def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, 
     g_dw = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KH, HALF], gw_desc.layout)
     g_dx = reinterpret(g_dw, gl.bfloat16, [2 * STAGES, TILE_G, KH], gx_desc.layout)
     o_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_N, KH], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    ready, empty = ring_barriers(STAGES, 2)
     epi_a = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
     epi_b = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
     gl.warp_specialize([
