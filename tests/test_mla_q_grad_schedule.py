@@ -40,3 +40,27 @@ def test_schedule_covers_every_item_once_and_balances(n_dx, dx_steps, n_dw, dw_s
 def test_schedule_is_cached_per_shape():
     a = G.schedule(12, 6, 30, 2, 8, "cpu")
     assert G.schedule(12, 6, 30, 2, 8, "cpu") is a
+
+
+def test_named_fused_route_raises_on_the_cpu_never_downgrades():
+    # the fused backward's kernels need an sm90 GPU: naming the route on the CPU raises with its reason
+    # (no other route runs in its place), and the automatic choice stays on "dequantized"
+    import numpy as np
+    import torch
+
+    import dispatch
+
+    rng = np.random.default_rng(3)
+    tokens, heads, k = 32, 1, 32
+    dq = torch.from_numpy(rng.standard_normal((tokens, heads, 192))).to(torch.bfloat16)
+    x = torch.from_numpy(rng.standard_normal((tokens, k))).to(torch.bfloat16)
+    w = torch.from_numpy(rng.standard_normal((heads * 192, k))).to(torch.bfloat16)
+    cos = torch.ones(tokens, 64)
+    sin = torch.zeros(tokens, 64)
+    with pytest.raises(dispatch.BackendUnavailable, match="triton:fused: the fused backward's Gluon kernels run on CUDA"):
+        dispatch.run("mla_q_uproj_rope_quant_backward", dq, x, w, cos, sin, quantize_grad=True, backend="triton:fused")
+    rows = dispatch.explain("mla_q_uproj_rope_quant_backward", dq, x, w, cos, sin, quantize_grad=True,
+                            backend="triton", print_table=False)
+    triton_row = next(r for r in rows if r["backend"] == "triton")
+    assert "fused" in [v["variant"] for v in triton_row["variants"]]
+    assert [v["variant"] for v in triton_row["variants"] if v["chosen"]] == ["dequantized"]
