@@ -52,7 +52,6 @@ Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py); g2 and the other operand with
 from __future__ import annotations
 
 import heapq
-import struct
 
 import torch
 from triton.experimental import gluon
@@ -62,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._common import cdiv, settle_cache_keys
+from ._gluon_codec import scale_byte
 from ._gluon_compat import async_load, async_store, reinterpret, ring_barriers
 
 FORM_DX, FORM_DW = 0, 1
@@ -78,8 +78,6 @@ A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC_LAYOUT.v
 # dw's RoPE chunks: a [64, 32] tile wraps this [32, 32] layout twice along rows, so rows j and j + 32
 # are one thread's
 PAIR_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
-F32_ABS = gl.constexpr(0x7FFFFFFF)
-E4M3_INV_MAX = gl.constexpr(struct.unpack("<f", struct.pack("<I", 0x3B124925))[0])  # RN_f32(1/448): rceil's multiplier
 BF16_ROUNDS_TO_INF = gl.constexpr(float.fromhex("0x1.ffp127"))
 
 
@@ -129,17 +127,14 @@ def _producer(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty
 # the A operand: RoPE backward + quantize-dequantize of one k-step of g
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
-def _factors(amax_bits, LO: gl.constexpr, HI: gl.constexpr):
-    """(multiplier 2^(127 - e), factor 2^(e - 127)) of each block's rceil scale byte e from its amax bits
-    (NaN allowed): mla_q_prepass._block_factors in Gluon. The factor of an unsafe block -- e above HI, or
-    below LO with a nonzero code; NaN and Inf blocks are above -- is NaN: its dequantized values are NaN,
-    so its output row is, and the epilogue's finiteness check raises the guard (no flag is carried
-    through the main loop: reducing one across the warpgroup's warps took a barrier every step)."""
-    amax = amax_bits.to(gl.float32, bitcast=True)
-    p = (amax * E4M3_INV_MAX).to(gl.int32, bitcast=True) & F32_ABS
-    e = (gl.minimum(p, 0x7F000000) + 0x007FFFFF) >> 23
-    e = gl.where(p <= 0x00400000, 0, e)
-    e = gl.where(p > 0x7F800000, 255, e)
+def _factors(amax, LO: gl.constexpr, HI: gl.constexpr):
+    """(multiplier 2^(127 - e), factor 2^(e - 127)) of each block from its amax (|v| max; NaN in a block
+    reaches the output through the NaN code of its own value) and rceil scale byte e (_gluon_codec).
+    The factor of an unsafe block -- e above HI (Inf included), or below LO with a nonzero code -- is
+    NaN: its dequantized values are NaN, so its output row is, and the epilogue's finiteness check
+    raises the guard (no flag is carried through the main loop: reducing one across the warpgroup's
+    warps took a barrier every step)."""
+    e = scale_byte(amax)
     s_inv = ((254 - e) << 23).to(gl.float32, bitcast=True)
     tiny_code = amax * s_inv > 0.0009765625  # 2^-10: the block's largest code is nonzero
     unsafe = (e > HI) | ((e < LO) & tiny_code)
@@ -154,25 +149,14 @@ def _qdq(v, s_inv, scale):
 
 
 @gluon.jit
-def _abs_bits(v):
-    return v.to(gl.int32, bitcast=True) & F32_ABS
-
-
-@gluon.jit
-def _qdq_rows(lo, hi, LO: gl.constexpr, HI: gl.constexpr):
-    """Each half one quantization block per row: (bf16 lo, bf16 hi)."""
-    return _qdq_half(lo, LO, HI), _qdq_half(hi, LO, HI)
-
-
-@gluon.jit
 def _qdq_rows_paired(lo, hi, j, LO: gl.constexpr, HI: gl.constexpr):
     """dx's RoPE chunk, positions j / 32 + j holding features 2j / 2j + 1: block A is positions 0..15 of
     both halves (features 0..31), block B positions 16..31: (bf16 lo, bf16 hi)."""
     first = j < 16
-    ma = gl.maximum(gl.max(gl.where(first, _abs_bits(lo), 0), axis=1),
-                    gl.max(gl.where(first, _abs_bits(hi), 0), axis=1))
-    mb = gl.maximum(gl.max(gl.where(first, 0, _abs_bits(lo)), axis=1),
-                    gl.max(gl.where(first, 0, _abs_bits(hi)), axis=1))
+    ma = gl.maximum(gl.max(gl.where(first, gl.abs(lo), 0.0), axis=1),
+                    gl.max(gl.where(first, gl.abs(hi), 0.0), axis=1))
+    mb = gl.maximum(gl.max(gl.where(first, 0.0, gl.abs(lo)), axis=1),
+                    gl.max(gl.where(first, 0.0, gl.abs(hi)), axis=1))
     ia, fa = _factors(ma, LO, HI)
     ib, fb = _factors(mb, LO, HI)
     s_inv = gl.where(first, gl.expand_dims(ia, 1), gl.expand_dims(ib, 1))
@@ -198,7 +182,8 @@ def _prep_dx(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO
         od = hi * gl.load(c_row + (j + 32)).to(gl.float32) - lo * gl.load(s_row + j).to(gl.float32)
         qlo, qhi = _qdq_rows_paired(ev, od, j, LO, HI)
     else:
-        qlo, qhi = _qdq_rows(lo, hi, LO, HI)
+        qlo = _qdq_half(lo, LO, HI)
+        qhi = _qdq_half(hi, LO, HI)
     return qlo, qhi
 
 
@@ -226,7 +211,7 @@ def _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: g
 @gluon.jit
 def _qdq_half(v, LO: gl.constexpr, HI: gl.constexpr):
     """bf16 quantize-dequantize of v [R, 32], one block per row."""
-    s_inv, scale = _factors(gl.max(_abs_bits(v), axis=1), LO, HI)
+    s_inv, scale = _factors(gl.max(gl.abs(v), axis=1), LO, HI)
     return _qdq(v, gl.expand_dims(s_inv, 1), gl.expand_dims(scale, 1))
 
 
