@@ -1131,6 +1131,19 @@ def _fallback_operand(t, bf16_buf, flag):
     return MXTensor(codes, scales, 1, "e4m3", "compact")
 
 
+def _gated_exact_backward(dq2, x, w, cos, sin, dx, dw, flag, g_bufs, x16, w16):
+    """The MXFP8 backward's exact path, each launch a no-op unless *flag is up (no host sync): the
+    pre-pass writes both quantizations of g into g_bufs = (row codes, row scales, colT codes, colT
+    scales), x and w become K-major MXFP8 operands (bf16 x / w quantized into x16 / w16's bytes), and
+    the exact block GEMMs overwrite dx and dw."""
+    g_codes, g_scale, gt_codes, gt_scale = g_bufs
+    _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True, flag=flag, gated=True, buffers=g_bufs)
+    w_t = _fallback_operand(w, w16, flag)
+    x_t = _fallback_operand(x, x16, flag)
+    exact_fallback(MXTensor(g_codes, g_scale, 1, "e4m3", "compact"), w_t, dx, flag)
+    exact_fallback(MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact"), x_t, dw, flag)
+
+
 def _backward_dequantized(dq2, x, w, cos, sin):
     """The MXFP8 backward on bf16 GEMMs. One pre-pass reads dq once and writes the bf16 dequantization
     of both quantizations of g (row- and column-blocked, each exact in bf16 where the guard stays
@@ -1162,15 +1175,9 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     if tokens and n and k:
         bf16_matmul_fp32_sum(g_row16, w16.t(), dx)
         bf16_matmul_fp32_sum(g_col16.t(), x16.t(), dw)
-        # exact fallback, each launch a no-op unless the flag is up
         g_codes, g_scale = _carve(g_row16, (((tokens, n), torch.float8_e4m3fn), ((tokens, n // 32), torch.uint8)))
         gt_codes, gt_scale = _carve(g_col16, (((n, tokens), torch.float8_e4m3fn), ((n, tokens // 32), torch.uint8)))
-        _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True, flag=flag, gated=True,
-                     buffers=(g_codes, g_scale, gt_codes, gt_scale))
-        w_t = _fallback_operand(w, w16, flag)
-        x_t = _fallback_operand(x, x16, flag)
-        exact_fallback(MXTensor(g_codes, g_scale, 1, "e4m3", "compact"), w_t, dx, flag)
-        exact_fallback(MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact"), x_t, dw, flag)
+        _gated_exact_backward(dq2, x, w, cos, sin, dx, dw, flag, (g_codes, g_scale, gt_codes, gt_scale), x16, w16)
     else:  # an empty contraction: zeros (a zero-sized output stays as it is)
         dx.zero_()
         dw.zero_()
@@ -1206,17 +1213,11 @@ def _backward_fused(dq2, x, w, cos, sin):
         dw.zero_()
         return dx, dw
     launch_pair(g2, w16p, x16t, cos, sin, dx, dw, flag, safe)  # both GEMMs, one persistent launch
-    # exact fallback, each launch a no-op unless the flag is up
-    g_codes = torch.empty((tokens, n), dtype=torch.float8_e4m3fn, device=device)
-    g_scale = torch.empty((tokens, n // 32), dtype=torch.uint8, device=device)
-    gt_codes = torch.empty((n, tokens), dtype=torch.float8_e4m3fn, device=device)
-    gt_scale = torch.empty((n, tokens // 32), dtype=torch.uint8, device=device)
-    _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True, flag=flag, gated=True,
-                 buffers=(g_codes, g_scale, gt_codes, gt_scale))
-    w_t = _fallback_operand(w, None if isinstance(w, MXTensor) else w_src, flag)
-    x_t = _fallback_operand(x, None if isinstance(x, MXTensor) else x_src, flag)
-    exact_fallback(MXTensor(g_codes, g_scale, 1, "e4m3", "compact"), w_t, dx, flag)
-    exact_fallback(MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact"), x_t, dw, flag)
+    g_bufs = (torch.empty((tokens, n), dtype=torch.float8_e4m3fn, device=device),
+              torch.empty((tokens, n // 32), dtype=torch.uint8, device=device),
+              torch.empty((n, tokens), dtype=torch.float8_e4m3fn, device=device),
+              torch.empty((n, tokens // 32), dtype=torch.uint8, device=device))
+    _gated_exact_backward(dq2, x, w, cos, sin, dx, dw, flag, g_bufs, x_src, w_src)
     return dx, dw
 
 
