@@ -85,8 +85,10 @@ def main():
         # where the kernel's time goes: the same launch without the quantization (1) or the RoPE (2)
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
+        var["b0"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, BITS=0))
         t2 = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, **var})
         rows.append((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
+        rows.append((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
         rows.append((T, "  same, g's bf16 values straight to the MMA (timing only)", t2["p1"], t2["p1"] / t2["gemms"]))
         rows.append((T, "  same, quantized without RoPE (timing only)", t2["p2"], t2["p2"] / t2["gemms"]))
         rows.append((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))

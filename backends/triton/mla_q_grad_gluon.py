@@ -143,6 +143,53 @@ def _factors(amax, LO: gl.constexpr, HI: gl.constexpr):
 
 
 @gluon.jit
+def _bits_magic(amax, LO: gl.constexpr, HI: gl.constexpr):
+    """int16 per block for _qdq_bits from its amax: the bf16 bits of M_min = 1.5 * 2^(e - 129), the
+    rounding magic of the block's smallest e4m3 binade (e4m3's least normal 2^-6 under the scale 2^(e - 127),
+    plus 4 binades: 1.5 * 2^4 times the subnormal step 2^-9); for a block whose codes are all zero (scale
+    byte below LO, no nonzero code) 2^119 (every value rounds to 0); for an unsafe block NaN (0x7FC0), so
+    its values and output row are NaN and the epilogue raises the guard. HI is capped at 242 here: above
+    it a value's magic would overflow bf16's exponent (such blocks go the exact path like other unsafe ones)."""
+    e = scale_byte(amax)
+    s_inv = ((254 - e) << 23).to(gl.float32, bitcast=True)
+    tiny_code = amax * s_inv > 0.0009765625  # 2^-10: the block's largest code is nonzero
+    unsafe = (e > gl.minimum(HI, 242)) | ((e < LO) & tiny_code)
+    magic = gl.where(e < LO, 0x7B00, ((e - 6) << 7) + 0x240)
+    return gl.where(unsafe, 0x7FC0, magic).to(gl.int16)
+
+
+@gluon.jit
+def _qdq_bits(vb, magic):
+    """The bf16 quantize-dequantize of bf16 vb [R, 32] (one block a row; magic [R] from _bits_magic) on
+    packed bf16 pairs, no fp32 and no conversion: v's e4m3 value under the block scale is v rounded
+    (RN-even) to the grid step of max(binade of v, the block's least e4m3 binade) - 3 bits, i.e. to 4
+    significant bits in e4m3's normal range and to the subnormal step below it. (v + M) - M does that in
+    one bf16 rounding with M = 1.5 * 2^(max(exponent of v, the block's) + 4): v + M stays in M's binade
+    (|v| < M / 12), where the bf16 step is the wanted one. rceil keeps |v| <= 448 * scale, so nothing
+    saturates. Byte-equal to _qdq's conversions for safe blocks (checked exhaustively per binade on the
+    CPU: tests/test_mla_q_grad_bits.py). NaN values stay NaN (their exponent's magic is negative as
+    int16, so the block's is taken); Inf makes the block unsafe (scale byte 255)."""
+    m = gl.broadcast(gl.expand_dims(magic, 1), vb.to(gl.int16, bitcast=True))[0]
+    out = gl.inline_asm_elementwise(
+        """{
+        .reg .b32 m;
+        and.b32 m, $1, 0x7F807F80;
+        add.u32 m, m, 0x02400240;
+        max.s16x2 m, m, $2;
+        add.rn.bf16x2 $0, $1, m;
+        sub.rn.bf16x2 $0, $0, m;
+        }""",
+        "=r,r,r", [vb.to(gl.int16, bitcast=True), m], dtype=gl.int16, is_pure=True, pack=2)
+    return out.to(gl.bfloat16, bitcast=True)
+
+
+@gluon.jit
+def _qdq_half_bits(vb, LO: gl.constexpr, HI: gl.constexpr):
+    """_qdq_half of bf16 vb [R, 32] through _qdq_bits (the block max from the widened values)."""
+    return _qdq_bits(vb, _bits_magic(gl.max(gl.abs(vb.to(gl.float32)), axis=1), LO, HI))
+
+
+@gluon.jit
 def _qdq(v, s_inv, scale):
     """bf16 of RN_e4m3(v * s_inv) * scale (hardware RN-even, saturating conversions)."""
     return ((v * s_inv).to(gl.float8e4nv).to(gl.float32) * scale).to(gl.bfloat16)
@@ -165,13 +212,14 @@ def _qdq_rows_paired(lo, hi, j, LO: gl.constexpr, HI: gl.constexpr):
 
 
 @gluon.jit
-def _prep_dx(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+def _prep_dx(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr,
+             BITS: gl.constexpr):
     """A operand halves (bf16 [64, 32] each) of dx's k-step: 64 rows of tokens (from t0) of one 64-feature
     chunk, its RoPE backward when pe (positions j / 32 + j then hold features 2j / 2j + 1), quantized
     along the chunk in its two 32-feature blocks."""
-    lo = g_lo.load(A_LAYOUT).to(gl.float32)
-    hi = g_hi.load(A_LAYOUT).to(gl.float32)
     if pe:
+        lo = g_lo.load(A_LAYOUT).to(gl.float32)
+        hi = g_hi.load(A_LAYOUT).to(gl.float32)
         j = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, A_LAYOUT)), 0)
         rows = t0 + gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, A_LAYOUT)), 1)
         rows = gl.minimum(rows, T - 1)  # rows past T (TMA zero fill) read the last row's table
@@ -181,9 +229,12 @@ def _prep_dx(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO
         ev = lo * gl.load(c_row + j).to(gl.float32) + hi * gl.load(s_row + (j + 32)).to(gl.float32)
         od = hi * gl.load(c_row + (j + 32)).to(gl.float32) - lo * gl.load(s_row + j).to(gl.float32)
         qlo, qhi = _qdq_rows_paired(ev, od, j, LO, HI)
+    elif BITS:
+        qlo = _qdq_half_bits(g_lo.load(A_LAYOUT), LO, HI)
+        qhi = _qdq_half_bits(g_hi.load(A_LAYOUT), LO, HI)
     else:
-        qlo = _qdq_half(lo, LO, HI)
-        qhi = _qdq_half(hi, LO, HI)
+        qlo = _qdq_half(g_lo.load(A_LAYOUT).to(gl.float32), LO, HI)
+        qhi = _qdq_half(g_hi.load(A_LAYOUT).to(gl.float32), LO, HI)
     return qlo, qhi
 
 
@@ -216,26 +267,30 @@ def _qdq_half(v, LO: gl.constexpr, HI: gl.constexpr):
 
 
 @gluon.jit
-def _dw_half(g_half, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+def _dw_half(g_half, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr,
+             BITS: gl.constexpr):
     """bf16 A operand half of dw's k-step half."""
     if pe:
         q = _rope_dw_half(g_half, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+    elif BITS:
+        q = _qdq_half_bits(g_half.load(A_LAYOUT), LO, HI)
     else:
         q = _qdq_half(g_half.load(A_LAYOUT).to(gl.float32), LO, HI)
     return q
 
 
 @gluon.jit
-def _prep_dw(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr):
+def _prep_dw(g_lo, g_hi, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr,
+             BITS: gl.constexpr):
     """A operand halves of dw's k-step: 64 feature rows by 64 tokens (from t0); each half's 32 tokens of
     a feature are one quantization block. One half's fp32 values live at a time."""
-    return (_dw_half(g_lo, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI),
-            _dw_half(g_hi, pe, t0 + 32, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI))
+    return (_dw_half(g_lo, pe, t0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, BITS),
+            _dw_half(g_hi, pe, t0 + 32, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, BITS))
 
 
 @gluon.jit
 def _prep(form, CID: gl.constexpr, g_dx, g_dw, slot, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-          LO: gl.constexpr, HI: gl.constexpr, PROFILE: gl.constexpr):
+          LO: gl.constexpr, HI: gl.constexpr, PROFILE: gl.constexpr, BITS: gl.constexpr):
     """This warpgroup's A operand halves for k-step kk of the item at g row g0 (ring slot `slot`).
     PROFILE (timing only, wrong results): 1 hands g's bf16 values to the MMA as they are, 2 quantizes
     without the RoPE backward."""
@@ -251,12 +306,12 @@ def _prep(form, CID: gl.constexpr, g_dx, g_dw, slot, kk, g0, T, cos_ptr, sin_ptr
         g_lo = g_dx.index(2 * slot).slice(CID * HALF, HALF, dim=0)
         g_hi = g_dx.index(2 * slot + 1).slice(CID * HALF, HALF, dim=0)
         qlo, qhi = _prep_dx(g_lo, g_hi, (kk % 3 == 2) & (PROFILE != 2), g0 + CID * HALF, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                            LO, HI)
+                            LO, HI, BITS)
     else:
         t_lo = g_dw.index(4 * slot + CID).permute((1, 0))
         t_hi = g_dw.index(4 * slot + 2 + CID).permute((1, 0))
         pe = (((g0 + CID * HALF) // 64) % 3 == 2) & (PROFILE != 2)
-        qlo, qhi = _prep_dw(t_lo, t_hi, pe, kk * 64, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI)
+        qlo, qhi = _prep_dw(t_lo, t_hi, pe, kk * 64, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, BITS)
     return qlo, qhi
 
 
@@ -273,7 +328,7 @@ def _mma(qlo, qhi, o_ring, slot, acc):
 @gluon.jit
 def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T,
               cos_ptr, sin_ptr, stride_cos, stride_sin, LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr,
-              PROFILE: gl.constexpr):
+              PROFILE: gl.constexpr, BITS: gl.constexpr):
     """One tile's [64, TILE_N] fp32 accumulator for warpgroup CID from ring step c on; returns (acc, c past
     the tile). Two A register sets (a, b) used alternately: a set is rewritten only after the
     wait that retires the MMAs reading it (two wgmma groups a step). A runtime branch between an odd
@@ -282,26 +337,26 @@ def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, 
     # prologue: steps 0 and 1 (k_steps is even: _tile), so each pair below starts with one MMA in flight
     s = c % STAGES
     mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-    a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
+    a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, 0, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE, BITS)
     acc = _mma(a_lo, a_hi, o_ring, s, acc)
     acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
     s1 = (c + 1) % STAGES
     mbarrier.wait(ready.index(s1), ((c + 1) // STAGES) & 1)
-    b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
+    b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s1, 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE, BITS)
     acc = _mma(b_lo, b_hi, o_ring, s1, acc)
     acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
     mbarrier.arrive(empty.index(s))
     for kk in range(2, k_steps, 2):
         s = (c + kk) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk) // STAGES) & 1)
-        a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE)
+        a_lo, a_hi = _prep(form, CID, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin, LO, HI, PROFILE, BITS)
         acc = _mma(a_lo, a_hi, o_ring, s, acc)
         acc, b_lo, b_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, b_lo, b_hi))
         mbarrier.arrive(empty.index((c + kk - 1) % STAGES))
         s = (c + kk + 1) % STAGES
         mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
         b_lo, b_hi = _prep(form, CID, g_dx, g_dw, s, kk + 1, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                                LO, HI, PROFILE)
+                                LO, HI, PROFILE, BITS)
         acc = _mma(b_lo, b_hi, o_ring, s, acc)
         acc, a_lo, a_hi = warpgroup_mma_wait(num_outstanding=2, deps=(acc, a_lo, a_hi))
         mbarrier.arrive(empty.index((c + kk) % STAGES))
@@ -313,7 +368,7 @@ def _mainloop(form, CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, c, g0, 
 @gluon.jit
 def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
               sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
-              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr):
+              LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr, BITS: gl.constexpr):
     """Warpgroup CID: rows CID * 64 .. + 63 of every item's tile, stored by TMA as bf16; raises *flag_ptr
     for an output not finite in bf16 (an unsafe quantization block makes its rows NaN: _factors)."""
     num_n = gl.cdiv(KOUT, TILE_N)
@@ -323,7 +378,7 @@ def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc,
     for i in range(gl.load(row)):
         form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
         acc, c = _mainloop(form, CID, g_dx, g_dw, o_ring, ready, empty, c, g0, k_steps, T, cos_ptr, sin_ptr,
-                           stride_cos, stride_sin, LO, HI, STAGES, PROFILE)
+                           stride_cos, stride_sin, LO, HI, STAGES, PROFILE, BITS)
         # |acc| at or past the bf16 overflow threshold, or NaN (which compares false)
         big = gl.maximum(big, gl.max(gl.where(gl.abs(acc) < BF16_ROUNDS_TO_INF, 0.0, 1.0), axis=1))
         tma.store_wait(0)  # this warpgroup's previous tile has left its buffer
@@ -342,7 +397,8 @@ def _consumer(CID: gl.constexpr, g_dx, g_dw, o_ring, ready, empty, epi, dx_desc,
 @gluon.jit
 def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, sched_ptr, cos_ptr, sin_ptr, flag_ptr,
                             sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
-                            LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr = 0):
+                            LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, PROFILE: gl.constexpr = 0,
+                            BITS: gl.constexpr = 1):
     """Persistent: a TMA producer warp and two consumer warpgroups sharing each TILE_G x TILE_N tile of
     the items the schedule row of this program lists."""
     # g's ring, viewed per form: dw's [32, 64] boxes (128-byte swizzle), dx's [128, 32] (64-byte)
@@ -354,9 +410,9 @@ def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, 
     epi_b = gl.allocate_shared_memory(gl.bfloat16, [HALF, TILE_N], dx_desc.layout)
     gl.warp_specialize([
         (_consumer, (0, g_dx, g_dw, o_ring, ready, empty, epi_a, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
-                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE)),
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE, BITS)),
         (_consumer, (1, g_dx, g_dw, o_ring, ready, empty, epi_b, dx_desc, dw_desc, cos_ptr, sin_ptr, flag_ptr,
-                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE)),
+                     sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI, STAGES, PROFILE, BITS)),
         (_producer, (gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty, sched_ptr, sched_len, n_dx,
                      N, T, KOUT, STAGES)),
     ], [4, 1], [232, 40])
@@ -421,6 +477,7 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
         _desc(g2, [TILE_G_ROWS, K_HALF]), _desc(g2, [K_HALF, 64]), w_desc, x_desc, dx_desc, dw_desc, sched,
         cos, sin, flag, sched.shape[1], n_dx, n, tokens, kout, cos.stride(0), sin.stride(0),
         LO=int(safe_bytes[0]), HI=int(safe_bytes[1]), STAGES=cfg["STAGES"], PROFILE=cfg.get("PROFILE", 0),
+        BITS=cfg.get("BITS", 1),
         num_warps=NUM_WARPS,
         enable_fp_fusion=False)
 
