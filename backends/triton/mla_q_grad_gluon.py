@@ -6,11 +6,13 @@ loop (sm90, Gluon): no pre-pass, and no quantized or dequantized copy of g is wr
     launch(FORM_DX or FORM_DW, g2, other, cos, sin, out, flag, safe)  # one of them
 
 g2 is the fused op's output gradient viewed [T, N = H * 192] (bf16, read as it is, by TMA). Each
-k-step's g tile goes from shared memory into the wgmma A-operand registers, is widened to fp32, put
-through the mla RoPE backward where it holds a head's RoPE features (fp32, no FMA contraction: the
-pre-pass's rounding), and quantized to e4m3 with its rceil block scale along the GEMM's contraction axis
-and dequantized again (exact in bf16 where the guard stays down), so the MMA multiplies exactly the
-spec's g_row (dx) or g_col (dw) by the other operand. This is the spec's MXFP8 backward (spec/mla_q.py)
+k-step's g tile goes from shared memory into the wgmma A-operand registers and is quantized to e4m3
+with its rceil block scale along the GEMM's contraction axis and dequantized again (exact in bf16 where
+the guard stays down), so the MMA multiplies exactly the spec's g_row (dx) or g_col (dw) by the other
+operand. A head's RoPE features are widened to fp32 and put through the mla RoPE backward first (fp32,
+no FMA contraction: the pre-pass's rounding), then quantized through the hardware e4m3 conversions; the
+other chunks (two thirds) are quantize-dequantized on their bf16 bits (_qdq_bits: an add and a subtract
+of a per-value magic on packed pairs; BITS=0, a launch config key, takes the conversions for them too). This is the spec's MXFP8 backward (spec/mla_q.py)
 with the products exact and the sum in fp32: the contract of the two-GEMM route (mla_q's "dequantized"),
 whose pre-pass reads g once and writes two bf16 copies (6 bytes an element; 0.18 ms of a 1.12 ms
 backward at T = 4096 on the H200). The other operands come from mla_q_grad_operands.py: w16p [K, N]
