@@ -86,11 +86,20 @@ def main():
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
         var["b0"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, BITS=0))
+        for name in list(var):
+            try:
+                var[name]()
+            except Exception as exc:  # a timing-only variant the installed Triton cannot compile
+                print(f"variant {name} skipped: {type(exc).__name__}: {str(exc)[-200:]}")
+                del var[name]
         t2 = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, **var})
         rows.append((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
-        rows.append((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
-        rows.append((T, "  same, g's bf16 values straight to the MMA (timing only)", t2["p1"], t2["p1"] / t2["gemms"]))
-        rows.append((T, "  same, quantized without RoPE (timing only)", t2["p2"], t2["p2"] / t2["gemms"]))
+        if "b0" in t2:
+            rows.append((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
+        for key, what in (("p1", "g's bf16 values straight to the MMA (timing only)"),
+                          ("p2", "quantized without RoPE (timing only)")):
+            if key in t2:
+                rows.append((T, "  same, " + what, t2[key], t2[key] / t2["gemms"]))
         rows.append((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))
         rows.append((T, "fused dw kernel / cuBLAS dw GEMM", t["kdw"], t["kdw"] / t["gdw"]))
         rows.append((T, "w operand pass (permuted, K-major)", t["opw"], ""))
