@@ -104,6 +104,16 @@ def interleaved_ms(fns: dict, rounds: int = 3, bench=None) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def print_ms_rows(rows, width: int = 70, ratio_label: str = "ratio") -> None:
+    """Print (tokens, what, ms or "", ratio or "") rows as a fixed-width table (the GPU probes' last
+    output)."""
+    print(f"\n{'T':>6} | {'what':<{width}} | {'ms':>8} | {ratio_label}")
+    for tokens, what, ms, ratio in rows:
+        ms_s = f"{ms:8.4f}" if ms != "" else " " * 8
+        r_s = f"{ratio:.3f}" if ratio != "" else ""
+        print(f"{tokens:>6} | {what:<{width}} | {ms_s} | {r_s}")
+
+
 def compile_static(fn):
     """torch.compile(fn, dynamic=False) for a baseline, with Dynamo's recompile limits raised first: a
     token sweep compiles one graph per shape and variant for the same code objects, and past the

@@ -103,11 +103,7 @@ def main():
             rows.append((T, name, ms, ms / t["gemms"]))
         del x16, w16, dq2, grow, gcol, dx, dw
         torch.cuda.empty_cache()
-    print(f"\n{'T':>6} | {'what':<60} | {'ms':>8} | ratio to the two GEMMs")
-    for T, what, ms, ratio in rows:
-        ms_s = f"{ms:8.4f}" if ms != "" else " " * 8
-        r_s = f"{ratio:.3f}" if ratio != "" else ""
-        print(f"{T:>6} | {what:<60} | {ms_s} | {r_s}")
+    benchlib.print_ms_rows(rows, 60, "ratio to the two GEMMs")
 
 
 if __name__ == "__main__":

@@ -107,11 +107,7 @@ def main():
         rows.append((T, f"flag after the kernels: {int(flag.item())}", "", ""))
         del x, w, dq, x_t, w_n, dq2, w16p, x16t, dx, dw, a, b
         torch.cuda.empty_cache()
-    print(f"\n{'T':>6} | {'what':<70} | {'ms':>8} | ratio")
-    for T, what, ms, ratio in rows:
-        ms_s = f"{ms:8.4f}" if ms != "" else " " * 8
-        r_s = f"{ratio:.3f}" if ratio != "" else ""
-        print(f"{T:>6} | {what:<70} | {ms_s} | {r_s}")
+    benchlib.print_ms_rows(rows, 70, "ratio")
 
 
 if __name__ == "__main__":
