@@ -94,3 +94,42 @@ def test_fused_backward_matches_the_dequantized_route_on_random_data(mod):
         bound = 2.0 ** -8 * want.float().abs() + 2.0 ** -16 * want.float().abs().max()
         assert bool((diff <= bound).all()), f"max excess {float((diff - bound).max())}"
         assert float((got != want).float().mean()) < 0.05
+
+
+@pytest.mark.parametrize("spread", [0, 12, 40])
+def test_bf16_bit_path_equals_the_conversions(mod, spread):
+    # the no-RoPE chunks' quantize-dequantize on bf16 bits (BITS=1, the default) against the hardware
+    # conversions (BITS=0): the same kernel, the same MMA order, so the bytes and the guard must match.
+    # spread: log2 of the magnitude range across a block's features (e4m3 subnormals and zero codes
+    # inside blocks), plus zeros and a few blocks past the bit path's cap (scale byte 243-246)
+    from backends.triton import mla_q_grad_gluon as G
+    from backends.triton.gemm import BF16_SAFE_SCALE_BYTES
+
+    g = torch.Generator(device="cuda").manual_seed(spread)
+    tokens, heads, k = 320, 3, 256
+    n = heads * 192
+    scale = torch.exp2(torch.linspace(-spread / 2, spread / 2, n, device="cuda"))
+    dq = torch.randn(tokens, n, device="cuda", generator=g) * scale
+    dq[torch.rand(tokens, n, device="cuda", generator=g) < 0.05] = 0.0
+    x16t = torch.randn(k, tokens, device="cuda", generator=g).to(torch.bfloat16)
+    w16p = (torch.randn(k, n, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    if spread == 40:
+        dq[7, :32] = 448.0 * 2.0 ** (244 - 127)  # one row block past the cap: guard raised, both paths
+    dq = dq.to(torch.bfloat16)
+    ang = torch.rand(tokens, 64, device="cuda", generator=g) * 6.283
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    outs = []
+    for bits in (0, 1):
+        dx = torch.full((tokens, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dw = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        G.launch_pair(dq, w16p, x16t, cos, sin, dx, dw, flag, BF16_SAFE_SCALE_BYTES["e4m3"],
+                      config=dict(G.CONFIGS[0], BITS=bits))
+        outs.append((dx, dw, int(flag.item())))
+    (dx0, dw0, f0), (dx1, dw1, f1) = outs
+    if spread == 40:
+        assert f1 == 1  # scale byte 244 is past the bit path's cap (242)
+    else:
+        assert f0 == f1 == 0
+        assert torch.equal(dx0.view(torch.int16), dx1.view(torch.int16))
+        assert torch.equal(dw0.view(torch.int16), dw1.view(torch.int16))
