@@ -86,6 +86,11 @@ def main():
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
         var["b0"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, BITS=0))
+        for a_stages in (2, 3):
+            var[f"ss{a_stages}"] = (lambda a=a_stages: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
+                                                                  config=dict(STAGES=3, SS=1, A_STAGES=a)))
+        var["ss2p1"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
+                                             config=dict(STAGES=3, SS=1, A_STAGES=2, PROFILE=1))
         for name in list(var):
             try:
                 var[name]()
@@ -96,6 +101,11 @@ def main():
         rows.append((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
         if "b0" in t2:
             rows.append((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
+        for key, what in (("ss2", "shared-memory A from a transform warpgroup (SS=1, A_STAGES=2)"),
+                          ("ss3", "same, A_STAGES=3"),
+                          ("ss2p1", "SS=1 without quantization or RoPE (PROFILE=1, timing only)")):
+            if key in t2:
+                rows.append((T, "  " + what, t2[key], t2[key] / t2["gemms"]))
         for key, what in (("p1", "g's bf16 values straight to the MMA (timing only)"),
                           ("p2", "quantized without RoPE (timing only)")):
             if key in t2:
