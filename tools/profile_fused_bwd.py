@@ -82,6 +82,18 @@ def main():
         t = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, "gdx": gdx, "kdx": kdx, "gdw": gdw, "kdw": kdw,
                                      "opw": ops_w, "opx": ops_x})
         rows.append((T, "fused dx + dw, one launch / the two cuBLAS GEMMs", t["kboth"], t["kboth"] / t["gemms"]))
+        # the SS=1 form's bytes against the register-operand form's (the same MMAs on the same values)
+        kboth()
+        ref = (dx.clone(), dw.clone(), int(flag.item()))
+        try:
+            dx.fill_(float("nan"))
+            dw.fill_(float("nan"))
+            G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, SS=1, A_STAGES=2))
+            torch.cuda.synchronize()
+            same = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip((dx, dw), ref)]
+            rows.append((T, f"SS=1 bytes equal to SS=0: dx {same[0]}, dw {same[1]}; flag {int(flag.item())}", "", ""))
+        except Exception as exc:  # reported, and the timing rows below skip it
+            rows.append((T, f"SS=1 failed: {type(exc).__name__}: {str(exc)[-120:]}", "", ""))
         # where the kernel's time goes: the same launch without the quantization (1) or the RoPE (2)
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
