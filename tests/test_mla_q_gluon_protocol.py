@@ -108,21 +108,29 @@ def _run(tiles, k_steps, stages, turns, seed, shared_epilogue=False):
     made = _actors(tiles, k_steps, stages, turns, shared_epilogue)
     actors, log = made[0], made[1]
     order = made[2] if shared_epilogue else []
-    rng = random.Random(seed)
+    if not interleave(actors, random.Random(seed), lambda: len(log) + len(order)):
+        raise AssertionError(f"deadlock (tiles={tiles}, k_steps={k_steps}, stages={stages})")
+    return (log, order) if shared_epilogue else log
+
+
+def interleave(actors, rng, progress, patience=100_000) -> bool:
+    """Step randomly chosen live actors (generators that yield while they wait) until all finish: True;
+    False when `progress()` has not changed for `patience` steps in a row (a deadlock)."""
     live = list(actors)
     idle = 0
     while live:
         actor = rng.choice(live)
-        before = len(log) + len(order)
+        before = progress()
         try:
             next(actor)
         except StopIteration:
             live.remove(actor)
             idle = 0
             continue
-        idle = idle + 1 if len(log) + len(order) == before else 0
-        assert idle < 100_000, f"deadlock (tiles={tiles}, k_steps={k_steps}, stages={stages})"
-    return (log, order) if shared_epilogue else log
+        idle = idle + 1 if progress() == before else 0
+        if idle >= patience:
+            return False
+    return True
 
 
 # the shipped configs: 4 stages of BLOCK_K 64 (24 k-steps at K = 1536), 8 of BLOCK_K 32 (48 k-steps)

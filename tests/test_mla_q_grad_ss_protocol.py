@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.test_mla_q_gluon_protocol import MBarrier
+from tests.test_mla_q_gluon_protocol import MBarrier, interleave
 
 
 def _actors(k_steps_per_item, stages, a_stages, load_first=False):
@@ -89,22 +89,9 @@ def _actors(k_steps_per_item, stages, a_stages, load_first=False):
 
 
 def _run(seed, k_steps_per_item, stages, a_stages, load_first=False):
-    rng = random.Random(seed)
     actors, log, total = _actors(k_steps_per_item, stages, a_stages, load_first)
-    live = list(actors)
-    idle = 0
-    while live:
-        actor = rng.choice(live)
-        before = (tuple(log[0]), tuple(log[1]))
-        try:
-            next(actor)
-        except StopIteration:
-            live.remove(actor)
-            idle = 0
-            continue
-        idle = idle + 1 if (tuple(log[0]), tuple(log[1])) == before else 0
-        if idle > 20000:
-            raise RuntimeError("deadlock")
+    if not interleave(actors, random.Random(seed), lambda: len(log[0]) + len(log[1]), patience=20000):
+        raise RuntimeError("deadlock")
     assert log[0] == log[1] == list(range(total))
 
 

@@ -106,15 +106,30 @@ def test_fused_backward_matches_the_dequantized_route_on_random_data(mod):
         assert float((got != want).float().mean()) < 0.05
 
 
+def _launch_configs(dq, w16p, x16t, cos, sin, configs):
+    """(dx, dw, flag) of mla_q_grad_gluon.launch_pair under each config, outputs poisoned with NaN."""
+    from backends.triton import mla_q_grad_gluon as G
+    from backends.triton.gemm import BF16_SAFE_SCALE_BYTES
+
+    tokens, n = dq.shape
+    k = w16p.shape[0]
+    outs = []
+    for cfg in configs:
+        dx = torch.full((tokens, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dw = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        G.launch_pair(dq, w16p, x16t, cos, sin, dx, dw, flag, BF16_SAFE_SCALE_BYTES["e4m3"],
+                      config=dict(G.CONFIGS[0], **cfg))
+        outs.append((dx, dw, int(flag.item())))
+    return outs
+
+
 @pytest.mark.parametrize("spread", [0, 12, 40])
 def test_bf16_bit_path_equals_the_conversions(mod, spread):
     # the no-RoPE chunks' quantize-dequantize on bf16 bits (BITS=1, the default) against the hardware
     # conversions (BITS=0): the same kernel, the same MMA order, so the bytes and the guard must match.
-    # spread: log2 of the magnitude range across a block's features (e4m3 subnormals and zero codes
-    # inside blocks), plus zeros and a few blocks past the bit path's cap (scale byte 243-246)
-    from backends.triton import mla_q_grad_gluon as G
-    from backends.triton.gemm import BF16_SAFE_SCALE_BYTES
-
+    # spread: log2 of the magnitude range across the features; 5 % zeros; at spread 40 one row block
+    # past the bit path's cap (scale byte 244), which raises the guard on the bit path
     g = torch.Generator(device="cuda").manual_seed(spread)
     tokens, heads, k = 320, 3, 256
     n = heads * 192
@@ -128,15 +143,7 @@ def test_bf16_bit_path_equals_the_conversions(mod, spread):
     dq = dq.to(torch.bfloat16)
     ang = torch.rand(tokens, 64, device="cuda", generator=g) * 6.283
     cos, sin = torch.cos(ang), torch.sin(ang)
-    outs = []
-    for bits in (0, 1):
-        dx = torch.full((tokens, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-        dw = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        G.launch_pair(dq, w16p, x16t, cos, sin, dx, dw, flag, BF16_SAFE_SCALE_BYTES["e4m3"],
-                      config=dict(G.CONFIGS[0], BITS=bits))
-        outs.append((dx, dw, int(flag.item())))
-    (dx0, dw0, f0), (dx1, dw1, f1) = outs
+    (dx0, dw0, f0), (dx1, dw1, f1) = _launch_configs(dq, w16p, x16t, cos, sin, [dict(BITS=0), dict(BITS=1)])
     if spread == 40:
         assert f1 == 1  # scale byte 244 is past the bit path's cap (242)
     else:
@@ -148,9 +155,6 @@ def test_bf16_bit_path_equals_the_conversions(mod, spread):
 @pytest.mark.parametrize("tokens,heads,k", [(320, 3, 256), (4096, 8, 1536)])
 def test_shared_operand_form_equals_the_register_operand_form(mod, tokens, heads, k):
     # SS=1 issues the same wgmma instructions in the same order on the same A values: equal bytes and guard
-    from backends.triton import mla_q_grad_gluon as G
-    from backends.triton.gemm import BF16_SAFE_SCALE_BYTES
-
     g = torch.Generator(device="cuda").manual_seed(tokens + heads)
     n = heads * 192
     dq = (torch.randn(tokens, n, device="cuda", generator=g)
@@ -159,15 +163,7 @@ def test_shared_operand_form_equals_the_register_operand_form(mod, tokens, heads
     w16p = (torch.randn(k, n, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
     ang = torch.rand(tokens, 64, device="cuda", generator=g) * 6.283
     cos, sin = torch.cos(ang), torch.sin(ang)
-    outs = []
-    for ss in (0, 1):
-        dx = torch.full((tokens, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-        dw = torch.full((n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        G.launch_pair(dq, w16p, x16t, cos, sin, dx, dw, flag, BF16_SAFE_SCALE_BYTES["e4m3"],
-                      config=dict(G.CONFIGS[0], SS=ss))
-        outs.append((dx, dw, int(flag.item())))
-    (dx0, dw0, f0), (dx1, dw1, f1) = outs
+    (dx0, dw0, f0), (dx1, dw1, f1) = _launch_configs(dq, w16p, x16t, cos, sin, [dict(SS=0), dict(SS=1)])
     assert f0 == f1 == 0
     assert torch.equal(dx0.view(torch.int16), dx1.view(torch.int16))
     assert torch.equal(dw0.view(torch.int16), dw1.view(torch.int16))
