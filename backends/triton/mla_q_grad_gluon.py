@@ -551,9 +551,9 @@ def _mla_q_grad_gemm_ss_kernel(gx_desc, gw_desc, w_desc, x_desc, out_dx, out_dw,
                                flag_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
                                LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr,
                                PROFILE: gl.constexpr = 0, BITS: gl.constexpr = 1):
-    """_mla_q_grad_gemm_kernel's work with the A operand prepared by a transform warpgroup into shared
-    memory: a TMA producer warp, the transform warpgroup and two consumer warpgroups (outputs
-    contiguous [rows, KOUT] bf16)."""
+    """_mla_q_grad_gemm_kernel's work with the A operand prepared into shared memory: the transform
+    warpgroup (which also issues the TMA loads) and two consumer warpgroups; outputs contiguous
+    [rows, KOUT] bf16, stored from registers."""
     g_dw = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KH, HALF], gw_desc.layout)
     g_dx = reinterpret(g_dw, gl.bfloat16, [2 * STAGES, TILE_G, KH], gx_desc.layout)
     o_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_N, KH], w_desc.layout)
