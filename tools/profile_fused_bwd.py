@@ -37,6 +37,11 @@ def main():
     ap.add_argument("--k", type=int, default=1536)
     args = ap.parse_args()
     rows = []
+
+    def add(row):  # printed at once too: a hang later in the run (a timeout) keeps what was measured
+        rows.append(row)
+        print("row:", " | ".join(str(v) for v in row), flush=True)
+
     for T in [int(t) for t in args.tokens.split(",")]:
         H, K = args.heads, args.k
         N = H * 192
@@ -59,13 +64,13 @@ def main():
         b = deq()
         for name, got, want in zip(("dx", "dw"), a, b):
             d = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-            rows.append((T, f"bytes {name}: equal {float((d == 0).float().mean()):.6f}, max {int(d.max())} ulp, "
+            add((T, f"bytes {name}: equal {float((d == 0).float().mean()):.6f}, max {int(d.max())} ulp, "
                             f"finite {bool(torch.isfinite(got).all())}", "", ""))
         gemms = lambda: (torch.matmul(dq2, w), torch.matmul(dq2.t(), x))  # noqa: E731
         t = benchlib.interleaved_ms({"gemms": gemms, "dequantized": deq, "fused": fused})
-        rows.append((T, f"route dequantized (first call fused {first:.1f} s)", t["dequantized"], t["dequantized"] / t["gemms"]))
-        rows.append((T, "route fused", t["fused"], t["fused"] / t["gemms"]))
-        rows.append((T, "two bf16 cuBLAS GEMMs", t["gemms"], 1.0))
+        add((T, f"route dequantized (first call fused {first:.1f} s)", t["dequantized"], t["dequantized"] / t["gemms"]))
+        add((T, "route fused", t["fused"], t["fused"] / t["gemms"]))
+        add((T, "two bf16 cuBLAS GEMMs", t["gemms"], 1.0))
         # the kernels alone
         flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         w16p = OPS.contraction_bf16(w_n, flag, SAFE, True, True)
@@ -81,7 +86,7 @@ def main():
         kboth = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE)  # noqa: E731
         t = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, "gdx": gdx, "kdx": kdx, "gdw": gdw, "kdw": kdw,
                                      "opw": ops_w, "opx": ops_x})
-        rows.append((T, "fused dx + dw, one launch / the two cuBLAS GEMMs", t["kboth"], t["kboth"] / t["gemms"]))
+        add((T, "fused dx + dw, one launch / the two cuBLAS GEMMs", t["kboth"], t["kboth"] / t["gemms"]))
         # the SS=1 form's bytes against the register-operand form's (the same MMAs on the same values)
         kboth()
         ref = (dx.clone(), dw.clone(), int(flag.item()))
@@ -91,9 +96,9 @@ def main():
             G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, SS=1, A_STAGES=2))
             torch.cuda.synchronize()
             same = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip((dx, dw), ref)]
-            rows.append((T, f"SS=1 bytes equal to SS=0: dx {same[0]}, dw {same[1]}; flag {int(flag.item())}", "", ""))
+            add((T, f"SS=1 bytes equal to SS=0: dx {same[0]}, dw {same[1]}; flag {int(flag.item())}", "", ""))
         except Exception as exc:  # reported, and the timing rows below skip it
-            rows.append((T, f"SS=1 failed: {type(exc).__name__}: {str(exc)[-120:]}", "", ""))
+            add((T, f"SS=1 failed: {type(exc).__name__}: {str(exc)[-120:]}", "", ""))
         # where the kernel's time goes: the same launch without the quantization (1) or the RoPE (2)
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
@@ -110,23 +115,23 @@ def main():
                 print(f"variant {name} skipped: {type(exc).__name__}: {str(exc)[-200:]}")
                 del var[name]
         t2 = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, **var})
-        rows.append((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
+        add((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
         if "b0" in t2:
-            rows.append((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
+            add((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
         for key, what in (("ss2", "shared-memory A from a transform warpgroup (SS=1, A_STAGES=2)"),
                           ("ss3", "same, A_STAGES=3"),
                           ("ss2p1", "SS=1 without quantization or RoPE (PROFILE=1, timing only)")):
             if key in t2:
-                rows.append((T, "  " + what, t2[key], t2[key] / t2["gemms"]))
+                add((T, "  " + what, t2[key], t2[key] / t2["gemms"]))
         for key, what in (("p1", "g's bf16 values straight to the MMA (timing only)"),
                           ("p2", "quantized without RoPE (timing only)")):
             if key in t2:
-                rows.append((T, "  same, " + what, t2[key], t2[key] / t2["gemms"]))
-        rows.append((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))
-        rows.append((T, "fused dw kernel / cuBLAS dw GEMM", t["kdw"], t["kdw"] / t["gdw"]))
-        rows.append((T, "w operand pass (permuted, K-major)", t["opw"], ""))
-        rows.append((T, "x operand pass (K-major)", t["opx"], ""))
-        rows.append((T, f"flag after the kernels: {int(flag.item())}", "", ""))
+                add((T, "  same, " + what, t2[key], t2[key] / t2["gemms"]))
+        add((T, "fused dx kernel / cuBLAS dx GEMM", t["kdx"], t["kdx"] / t["gdx"]))
+        add((T, "fused dw kernel / cuBLAS dw GEMM", t["kdw"], t["kdw"] / t["gdw"]))
+        add((T, "w operand pass (permuted, K-major)", t["opw"], ""))
+        add((T, "x operand pass (K-major)", t["opx"], ""))
+        add((T, f"flag after the kernels: {int(flag.item())}", "", ""))
         del x, w, dq, x_t, w_n, dq2, w16p, x16t, dx, dw, a, b
         torch.cuda.empty_cache()
     benchlib.print_ms_rows(rows, 70, "ratio")
