@@ -106,8 +106,9 @@ def main():
         for a_stages in (2, 3):
             var[f"ss{a_stages}"] = (lambda a=a_stages: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                                   config=dict(STAGES=3, SS=1, A_STAGES=a)))
-        var["ss2p1"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
-                                             config=dict(STAGES=3, SS=1, A_STAGES=2, PROFILE=1))
+        for p in (1, 2):
+            var[f"ss2p{p}"] = (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
+                                                         config=dict(STAGES=3, SS=1, A_STAGES=2, PROFILE=p)))
         for name in list(var):
             try:
                 var[name]()
@@ -120,7 +121,8 @@ def main():
             add((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
         for key, what in (("ss2", "shared-memory A from a transform warpgroup (SS=1, A_STAGES=2)"),
                           ("ss3", "same, A_STAGES=3"),
-                          ("ss2p1", "SS=1 without quantization or RoPE (PROFILE=1, timing only)")):
+                          ("ss2p1", "SS=1 without quantization or RoPE (PROFILE=1, timing only)"),
+                          ("ss2p2", "SS=1 quantized without RoPE (PROFILE=2, timing only)")):
             if key in t2:
                 add((T, "  " + what, t2[key], t2[key] / t2["gemms"]))
         for key, what in (("p1", "g's bf16 values straight to the MMA (timing only)"),
