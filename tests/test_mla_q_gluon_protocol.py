@@ -16,23 +16,7 @@ import random
 
 import pytest
 
-
-class MBarrier:
-    """Arrival count per phase; `phase` = completed phases. wait(parity) passes when the phase with that
-    parity has completed, i.e. the current (incomplete) phase's parity differs from it -- PTX
-    mbarrier.try_wait.parity."""
-
-    def __init__(self, count: int):
-        self.count, self.pending, self.phase = count, count, 0
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def passes(self, parity: int) -> bool:
-        return (self.phase & 1) != parity
+from tests.util import MBarrier, interleave
 
 
 def _actors(tiles: int, k_steps: int, stages: int, turns: bool, shared_epilogue: bool = False):
@@ -111,26 +95,6 @@ def _run(tiles, k_steps, stages, turns, seed, shared_epilogue=False):
     if not interleave(actors, random.Random(seed), lambda: len(log) + len(order)):
         raise AssertionError(f"deadlock (tiles={tiles}, k_steps={k_steps}, stages={stages})")
     return (log, order) if shared_epilogue else log
-
-
-def interleave(actors, rng, progress, patience=100_000) -> bool:
-    """Step randomly chosen live actors (generators that yield while they wait) until all finish: True;
-    False when `progress()` has not changed for `patience` steps in a row (a deadlock)."""
-    live = list(actors)
-    idle = 0
-    while live:
-        actor = rng.choice(live)
-        before = progress()
-        try:
-            next(actor)
-        except StopIteration:
-            live.remove(actor)
-            idle = 0
-            continue
-        idle = idle + 1 if progress() == before else 0
-        if idle >= patience:
-            return False
-    return True
 
 
 # the shipped configs: 4 stages of BLOCK_K 64 (24 k-steps at K = 1536), 8 of BLOCK_K 32 (48 k-steps)

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.test_mla_q_gluon_protocol import MBarrier, interleave
+from tests.util import MBarrier, interleave
 
 
 def _actors(k_steps_per_item, stages, a_stages, load_first=False):

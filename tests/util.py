@@ -87,3 +87,44 @@ def poisoned_empty(shape, dtype, device):
     t = torch.empty(shape, dtype=dtype, device=device)
     t.view(torch.uint8).fill_(0xFF)
     return t
+
+
+# --------------------------------------------------------------------------------------------------
+# the warp-specialized kernels' barrier protocols, modelled (tests/test_*_protocol.py)
+# --------------------------------------------------------------------------------------------------
+class MBarrier:
+    """Arrival count per phase; `phase` = completed phases. wait(parity) passes when the phase with that
+    parity has completed, i.e. the current (incomplete) phase's parity differs from it -- PTX
+    mbarrier.try_wait.parity."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.phase = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def passes(self, parity: int) -> bool:
+        return (self.phase & 1) != parity
+
+
+def interleave(actors, rng, progress, patience=100_000) -> bool:
+    """Step randomly chosen live actors (generators that yield while they wait) until all finish: True;
+    False when `progress()` has not changed for `patience` steps in a row (a deadlock)."""
+    live = list(actors)
+    idle = 0
+    while live:
+        actor = rng.choice(live)
+        before = progress()
+        try:
+            next(actor)
+        except StopIteration:
+            live.remove(actor)
+            idle = 0
+            continue
+        idle = idle + 1 if progress() == before else 0
+        if idle >= patience:
+            return False
+    return True
