@@ -149,6 +149,16 @@ def _producer(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty
 # the A operand: RoPE backward + quantize-dequantize of one k-step of g
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
+def _block_scale(amax, LO: gl.constexpr, HI: gl.constexpr):
+    """(rceil scale byte e, multiplier 2^(127 - e), unsafe) of each block from its amax: unsafe = e above
+    HI (Inf included), or below LO with a nonzero code (the dequantization would not be exact in bf16)."""
+    e = scale_byte(amax)
+    s_inv = ((254 - e) << 23).to(gl.float32, bitcast=True)
+    tiny_code = amax * s_inv > 0.0009765625  # 2^-10: the block's largest code is nonzero
+    return e, s_inv, (e > HI) | ((e < LO) & tiny_code)
+
+
+@gluon.jit
 def _factors(amax, LO: gl.constexpr, HI: gl.constexpr):
     """(multiplier 2^(127 - e), factor 2^(e - 127)) of each block from its amax (|v| max; NaN in a block
     reaches the output through the NaN code of its own value) and rceil scale byte e (_gluon_codec).
@@ -156,10 +166,7 @@ def _factors(amax, LO: gl.constexpr, HI: gl.constexpr):
     NaN: its dequantized values are NaN, so its output row is, and the epilogue's finiteness check
     raises the guard (no flag is carried through the main loop: reducing one across the warpgroup's
     warps took a barrier every step)."""
-    e = scale_byte(amax)
-    s_inv = ((254 - e) << 23).to(gl.float32, bitcast=True)
-    tiny_code = amax * s_inv > 0.0009765625  # 2^-10: the block's largest code is nonzero
-    unsafe = (e > HI) | ((e < LO) & tiny_code)
+    e, s_inv, unsafe = _block_scale(amax, LO, HI)
     scale = gl.where(unsafe, 0x7FC00000, e << 23).to(gl.float32, bitcast=True)
     return s_inv, scale
 
@@ -172,10 +179,7 @@ def _bits_magic(amax, LO: gl.constexpr, HI: gl.constexpr):
     byte below LO, no nonzero code) 2^119 (every value rounds to 0); for an unsafe block NaN (0x7FC0), so
     its values and output row are NaN and the epilogue raises the guard. HI is capped at 242 here: above
     it a value's magic would overflow bf16's exponent (such blocks go the exact path like other unsafe ones)."""
-    e = scale_byte(amax)
-    s_inv = ((254 - e) << 23).to(gl.float32, bitcast=True)
-    tiny_code = amax * s_inv > 0.0009765625  # 2^-10: the block's largest code is nonzero
-    unsafe = (e > gl.minimum(HI, 242)) | ((e < LO) & tiny_code)
+    e, s_inv, unsafe = _block_scale(amax, LO, min(HI, 242))
     magic = gl.where(e < LO, 0x7B00, ((e - 6) << 7) + 0x240)
     return gl.where(unsafe, 0x7FC0, magic).to(gl.int16)
 
@@ -447,6 +451,23 @@ def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, 
 # operand, no preparation in the MMA warps)
 # --------------------------------------------------------------------------------------------------
 @gluon.jit
+def _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring,
+               ready, empty, raw_empty, STAGES: gl.constexpr):
+    """_transform's load cursor (item index li, its k-step lkk, ring step lc): load that step if the
+    schedule row has one, and return the cursor past it."""
+    if li < n_items:
+        item = gl.load(row + 1 + li)
+        _load_step(lc, item, lkk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready,
+                   empty, raw_empty, STAGES, 1)
+        lc += 1
+        lkk += 1
+        if lkk == _tile(item, n_dx, num_n, N, T)[3]:
+            lkk = 0
+            li += 1
+    return li, lkk, lc
+
+
+@gluon.jit
 def _transform(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, a_ring, ready, empty, raw_empty, a_ready, a_empty,
                cos_ptr, sin_ptr, sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO: gl.constexpr,
                HI: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, PROFILE: gl.constexpr,
@@ -465,15 +486,8 @@ def _transform(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, a_ring, rea
     lkk = 0
     lc = 0
     for _ in gl.static_range(STAGES - 1):
-        if li < n_items:
-            item = gl.load(row + 1 + li)
-            _load_step(lc, item, lkk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready,
-                       empty, raw_empty, STAGES, 1)
-            lc += 1
-            lkk += 1
-            if lkk == _tile(item, n_dx, num_n, N, T)[3]:
-                lkk = 0
-                li += 1
+        li, lkk, lc = _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc,
+                                 g_dx, g_dw, o_ring, ready, empty, raw_empty, STAGES)
     c = 0
     for i in range(n_items):
         form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
@@ -491,15 +505,8 @@ def _transform(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, a_ring, rea
             fence_async_shared()  # the generic-proxy stores before the consumers' wgmma reads them
             mbarrier.arrive(a_ready.index(j))
             c += 1
-            if li < n_items:
-                item = gl.load(row + 1 + li)
-                _load_step(lc, item, lkk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring,
-                           ready, empty, raw_empty, STAGES, 1)
-                lc += 1
-                lkk += 1
-                if lkk == _tile(item, n_dx, num_n, N, T)[3]:
-                    lkk = 0
-                    li += 1
+            li, lkk, lc = _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc,
+                                     g_dx, g_dw, o_ring, ready, empty, raw_empty, STAGES)
 
 
 @gluon.jit
