@@ -120,3 +120,14 @@ def test_loading_before_preparing_deadlocks():
     with pytest.raises(RuntimeError, match="deadlock"):
         for seed in range(40):
             _run(seed, [6, 2], 3, 2, load_first=True)
+
+
+def test_the_ss_launch_refuses_strided_outputs():
+    G = pytest.importorskip("backends.triton.mla_q_grad_gluon")
+    torch = pytest.importorskip("torch")
+    g2 = torch.zeros(64, 192, dtype=torch.bfloat16)
+    other = torch.zeros(64, 192, dtype=torch.bfloat16)
+    dx = torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64]
+    with pytest.raises(ValueError, match="dx: SS=1 stores contiguous outputs"):
+        G.launch_pair(g2, other, None, torch.zeros(64, 64), torch.zeros(64, 64), dx, None,
+                      torch.zeros(1, dtype=torch.int32), (10, 246), config=dict(STAGES=3, SS=1))

@@ -625,6 +625,10 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
     if cfg.get("SS", 0) and cfg.get("A_STAGES", 2) < 2:
         # the consumers retire step c only after issuing step c + 1 (tests/test_mla_q_grad_ss_protocol.py)
         raise ValueError(f"A_STAGES: expected 2 or more with SS=1, got {cfg['A_STAGES']}")
+    if cfg.get("SS", 0):
+        for name, out in (("dx", dx), ("dw", dw)):
+            if out is not None and not out.is_contiguous():
+                raise ValueError(f"{name}: SS=1 stores contiguous outputs, got strides {tuple(out.stride())}")
     tokens, n = g2.shape
     other = w16p if w16p is not None else x16t
     kout = other.shape[0]
@@ -639,9 +643,6 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
     w_desc = _desc(w16p if w16p is not None else x16t, [TILE_N_COLS, K_HALF])
     x_desc = _desc(x16t if x16t is not None else w16p, [TILE_N_COLS, K_HALF])
     if cfg.get("SS", 0):
-        for out in (dx, dw):
-            if out is not None and not out.is_contiguous():
-                raise ValueError("SS=1 stores contiguous outputs: dx and dw must be contiguous")
         _mla_q_grad_gemm_ss_kernel[(programs,)](
             _desc(g2, [TILE_G_ROWS, K_HALF]), _desc(g2, [K_HALF, 64]), w_desc, x_desc,
             dx if dx is not None else dw, dw if dw is not None else dx, sched, cos, sin, flag, sched.shape[1], n_dx,
