@@ -23,7 +23,7 @@ if compat.version_reasons():
     pytest.skip("; ".join(compat.version_reasons()), allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32, "grad": 32, "grad_ss": 8}  # kernel -> wgmma instructions at least
+KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32, "grad": 32}  # kernel -> wgmma instructions at least
 
 _CHILD = textwrap.dedent("""
     import json, sys
@@ -75,17 +75,6 @@ _CHILD = textwrap.dedent("""
             out[name] = build(QB._mla_q_grad_gemm_kernel, types, consts,
                               ("sched_ptr", "cos_ptr", "sin_ptr", "flag_ptr", "N", "T", "KOUT", "stride_cos", "stride_sin"),
                               QB.NUM_WARPS)
-            continue
-        if name == "grad_ss":
-            types = {"gx_desc": desc(torch.bfloat16, [QB.TILE_G_ROWS, QB.K_HALF]), "gw_desc": desc(torch.bfloat16, [QB.K_HALF, 64]),
-                     "w_desc": desc(torch.bfloat16, [QB.TILE_N_COLS, QB.K_HALF]),
-                     "x_desc": desc(torch.bfloat16, [QB.TILE_N_COLS, QB.K_HALF]),
-                     "out_dx": "*bf16", "out_dw": "*bf16",
-                     "sched_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "flag_ptr": "*i32"}
-            consts = dict(LO=10, HI=246, STAGES=QB.CONFIGS[0]["STAGES"], A_STAGES=2)
-            out[name] = build(QB._mla_q_grad_gemm_ss_kernel, types, consts,
-                              ("out_dx", "out_dw", "sched_ptr", "cos_ptr", "sin_ptr", "flag_ptr", "N", "T", "KOUT",
-                               "stride_cos", "stride_sin"), QB.NUM_WARPS)
             continue
         if name == "gluon_mx":
             cfg = dict(QM.CONFIGS[0]); bk = cfg["BLOCK_K"]

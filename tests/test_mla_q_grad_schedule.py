@@ -1,6 +1,6 @@
 """The fused MXFP8 backward's work schedule (backends/triton/mla_q_grad_gluon.schedule): every dx and dw
 tile exactly once, longest items first, and the programs' k-step loads within one short item of each
-other (host code; no GPU)."""
+other; launch configs checked (host code; no GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -64,3 +64,15 @@ def test_named_fused_route_raises_on_the_cpu_never_downgrades():
     triton_row = next(r for r in rows if r["backend"] == "triton")
     assert "fused" in [v["variant"] for v in triton_row["variants"]]
     assert [v["variant"] for v in triton_row["variants"] if v["chosen"]] == ["dequantized"]
+
+
+@pytest.mark.parametrize("config", [dict(STAGES=3, SS=1), dict(PROFILE=1), dict(STAGES=3, BITZ=0)])
+def test_launch_refuses_unknown_or_missing_config_keys(config):
+    # a launch config key the kernel does not take is an error, not ignored (raised before any launch)
+    import torch
+
+    g2 = torch.zeros(64, 192, dtype=torch.bfloat16)
+    other = torch.zeros(32, 192, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="config: expected STAGES"):
+        G.launch(G.FORM_DX, g2, other, torch.ones(64, 64), torch.zeros(64, 64), torch.empty(64, 32, dtype=torch.bfloat16),
+                 torch.zeros(1, dtype=torch.int32), (10, 246), config=config)

@@ -3,7 +3,7 @@
 (x's columnwise MXFP8 copy, w's K-major columnwise copy), plus each fused GEMM kernel alone against
 its cuBLAS GEMM. Bytes of the two routes compared (fraction equal; max |diff| in bf16 ulps).
 
-    python tools/profile_fused_bwd.py [--tokens 4096,16384] [--route-only]
+    python tools/profile_fused_bwd.py [--tokens 4096,16384] [--heads 128] [--k 1536]
 """
 from __future__ import annotations
 
@@ -87,28 +87,10 @@ def main():
         t = benchlib.interleaved_ms({"gemms": gemms, "kboth": kboth, "gdx": gdx, "kdx": kdx, "gdw": gdw, "kdw": kdw,
                                      "opw": ops_w, "opx": ops_x})
         add((T, "fused dx + dw, one launch / the two cuBLAS GEMMs", t["kboth"], t["kboth"] / t["gemms"]))
-        # the SS=1 form's bytes against the register-operand form's (the same MMAs on the same values)
-        kboth()
-        ref = (dx.clone(), dw.clone(), int(flag.item()))
-        try:
-            dx.fill_(float("nan"))
-            dw.fill_(float("nan"))
-            G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, SS=1, A_STAGES=2))
-            torch.cuda.synchronize()
-            same = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip((dx, dw), ref)]
-            add((T, f"SS=1 bytes equal to SS=0: dx {same[0]}, dw {same[1]}; flag {int(flag.item())}", "", ""))
-        except Exception as exc:  # reported, and the timing rows below skip it
-            add((T, f"SS=1 failed: {type(exc).__name__}: {str(exc)[-120:]}", "", ""))
         # where the kernel's time goes: the same launch without the quantization (1) or the RoPE (2)
         var = {f"p{p}": (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
                                                    config=dict(STAGES=3, PROFILE=p))) for p in (1, 2)}
         var["b0"] = lambda: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE, config=dict(STAGES=3, BITS=0))
-        for a_stages in (2, 3):
-            var[f"ss{a_stages}"] = (lambda a=a_stages: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
-                                                                  config=dict(STAGES=3, SS=1, A_STAGES=a)))
-        for p in (1, 2):
-            var[f"ss2p{p}"] = (lambda p=p: G.launch_pair(dq2, w16p, x16t, cos, sin, dx, dw, flag, SAFE,
-                                                         config=dict(STAGES=3, SS=1, A_STAGES=2, PROFILE=p)))
         for name in list(var):
             try:
                 var[name]()
@@ -119,12 +101,6 @@ def main():
         add((T, "  same, full (this round)", t2["kboth"], t2["kboth"] / t2["gemms"]))
         if "b0" in t2:
             add((T, "  same, fp32 conversions for every chunk (BITS=0)", t2["b0"], t2["b0"] / t2["gemms"]))
-        for key, what in (("ss2", "shared-memory A from a transform warpgroup (SS=1, A_STAGES=2)"),
-                          ("ss3", "same, A_STAGES=3"),
-                          ("ss2p1", "SS=1 without quantization or RoPE (PROFILE=1, timing only)"),
-                          ("ss2p2", "SS=1 quantized without RoPE (PROFILE=2, timing only)")):
-            if key in t2:
-                add((T, "  " + what, t2[key], t2[key] / t2["gemms"]))
         for key, what in (("p1", "g's bf16 values straight to the MMA (timing only)"),
                           ("p2", "quantized without RoPE (timing only)")):
             if key in t2:

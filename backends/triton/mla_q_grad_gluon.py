@@ -48,12 +48,10 @@ run (two register sets used alternately, k-steps in pairs: an odd count gets one
 their half of the tile by TMA. PROFILE (a launch config key) leaves the quantization (1) or the RoPE (2)
 out, for timing only.
 
-SS=1 (launch config key; named only, not yet run on a GPU): the same work with the A operand in
-shared memory. A transform warpgroup (also the TMA issuer: twelve warps keep each partition's
-registers above 128) prepares each k-step's A once for the whole 128-row tile into a ring of A_STAGES
-bf16 tiles, and both consumer warpgroups' wgmma read it from there; outputs are stored from registers
-(the A ring takes the epilogue buffers' shared memory). Its slot protocol is modelled in
-tests/test_mla_q_grad_ss_protocol.py (A_STAGES >= 2, loads issued after the step's preparation).
+A shared-memory-operand form (a transform warpgroup preparing each k-step's A once per 128-row tile
+into a ring that both consumers' wgmma read) was built and measured on an H100 (2026-12-07,
+BENCHMARKS.md): byte-identical, but 2.91-3.01x the two GEMMs against this form's 2.64-2.72x, and
+1.37x without any quantization or RoPE against this form's 1.14x; it was removed.
 
 Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py); g2 and the other operand with unit last stride and
 16-byte aligned rows; T a multiple of 32; K (the output's width) a multiple of 8.
@@ -81,6 +79,7 @@ KH = gl.constexpr(32)  # one K half: one quantization block along the contractio
 TILE_G_ROWS, TILE_N_COLS, K_HALF = 128, 256, 32
 NUM_WARPS = 4
 CONFIGS = (dict(STAGES=3),)
+CONFIG_KEYS = {"STAGES", "PROFILE", "BITS"}  # PROFILE is timing only (wrong results); BITS=0: conversions
 
 ACC_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]))
 A_LAYOUT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=ACC_LAYOUT.value, k_width=2))
@@ -106,17 +105,14 @@ def _tile(item, n_dx, num_n, N, T):
 
 @gluon.jit
 def _load_step(c, item, kk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty,
-               raw_empty, STAGES: gl.constexpr, SS: gl.constexpr):
+               STAGES: gl.constexpr):
     """Ring step c = k-step kk of work item `item`, once its slot is free: g's tile as two K halves
     ([128, 32] for dx; for dw [32, 64] per warpgroup) and the other operand's [256, 32] K halves (TMA
-    zero fill past the edges). SS: the slot is also waited on raw_empty (the transform warpgroup has
-    read g)."""
+    zero fill past the edges)."""
     nbytes: gl.constexpr = (TILE_G + TILE_N) * 64 * 2
     form, g0, n0, k_steps = _tile(item, n_dx, num_n, N, T)
     s = c % STAGES
     mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-    if SS:
-        mbarrier.wait(raw_empty.index(s), ((c // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
     for h in gl.static_range(2):
         k0 = kk * 64 + h * KH
@@ -141,7 +137,7 @@ def _producer(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty
         form, g0, n0, k_steps = _tile(item, n_dx, num_n, N, T)
         for kk in range(k_steps):
             _load_step(c, item, kk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready,
-                       empty, empty, STAGES, 0)
+                       empty, STAGES)
             c += 1
 
 
@@ -445,144 +441,6 @@ def _mla_q_grad_gemm_kernel(gx_desc, gw_desc, w_desc, x_desc, dx_desc, dw_desc, 
 
 
 # --------------------------------------------------------------------------------------------------
-# the shared-memory-operand form (SS=1, named by the launch config; not yet measured): a transform
-# warpgroup prepares each k-step's A operand once for the whole 128-row tile and writes it to a ring of
-# bf16 tiles in shared memory, which both consumer warpgroups' wgmma read from there (no register
-# operand, no preparation in the MMA warps)
-# --------------------------------------------------------------------------------------------------
-@gluon.jit
-def _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring,
-               ready, empty, raw_empty, STAGES: gl.constexpr):
-    """_transform's load cursor (item index li, its k-step lkk, ring step lc): load that step if the
-    schedule row has one, and return the cursor past it."""
-    if li < n_items:
-        item = gl.load(row + 1 + li)
-        _load_step(lc, item, lkk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready,
-                   empty, raw_empty, STAGES, 1)
-        lc += 1
-        lkk += 1
-        if lkk == _tile(item, n_dx, num_n, N, T)[3]:
-            lkk = 0
-            li += 1
-    return li, lkk, lc
-
-
-@gluon.jit
-def _transform(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, a_ring, ready, empty, raw_empty, a_ready, a_empty,
-               cos_ptr, sin_ptr, sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO: gl.constexpr,
-               HI: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr, PROFILE: gl.constexpr,
-               BITS: gl.constexpr):
-    """Four warps, also the TMA issuer (a separate producer warp would make 13 warps, and Triton then caps
-    every partition's registers at 128): for every ring step c, g's raw tile (slot s) through _prep for
-    both 64-row halves into A slot j (two [128, 32] K halves, bf16), then the loads of step
-    c + STAGES - 1 (into the slot of step c - 1, which the consumers free once step c's MMAs are issued:
-    loading before preparing step c would wait on them forever). g's slot is released once read, A's
-    by the consumers once their MMAs have retired it."""
-    num_n = gl.cdiv(KOUT, TILE_N)
-    row = sched_ptr + gl.program_id(0) * sched_len
-    n_items = gl.load(row)
-    # the load cursor: item index li, its k-step lkk, ring step lc
-    li = 0
-    lkk = 0
-    lc = 0
-    for _ in gl.static_range(STAGES - 1):
-        li, lkk, lc = _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc,
-                                 g_dx, g_dw, o_ring, ready, empty, raw_empty, STAGES)
-    c = 0
-    for i in range(n_items):
-        form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
-        for kk in range(k_steps):
-            s = c % STAGES
-            j = c % A_STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            mbarrier.wait(a_empty.index(j), ((c // A_STAGES) & 1) ^ 1)
-            for cid in gl.static_range(2):
-                qlo, qhi = _prep(form, cid, g_dx, g_dw, s, kk, g0, T, cos_ptr, sin_ptr, stride_cos, stride_sin,
-                                 LO, HI, PROFILE, BITS)
-                a_ring.index(2 * j).slice(cid * HALF, HALF, dim=0).store(qlo)
-                a_ring.index(2 * j + 1).slice(cid * HALF, HALF, dim=0).store(qhi)
-            mbarrier.arrive(raw_empty.index(s))
-            fence_async_shared()  # the generic-proxy stores before the consumers' wgmma reads them
-            mbarrier.arrive(a_ready.index(j))
-            c += 1
-            li, lkk, lc = _load_next(li, lkk, lc, n_items, row, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc,
-                                     g_dx, g_dw, o_ring, ready, empty, raw_empty, STAGES)
-
-
-@gluon.jit
-def _consumer_ss(CID: gl.constexpr, a_ring, o_ring, ready, empty, a_ready, a_empty, out_dx, out_dw, flag_ptr,
-                 sched_ptr, sched_len, n_dx, N, T, KOUT, STAGES: gl.constexpr, A_STAGES: gl.constexpr):
-    """Warpgroup CID: rows CID * 64 .. + 63 of every item's tile from shared-memory operands, one k-step
-    in flight (step k's MMAs issued, then step k - 1's retired and its slots released); the tile is
-    stored from registers (masked; no shared-memory epilogue buffer: the A ring took that space) and the
-    guard raised as in _consumer."""
-    num_n = gl.cdiv(KOUT, TILE_N)
-    big = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, ACC_LAYOUT))
-    rows_l = gl.arange(0, HALF, layout=gl.SliceLayout(1, ACC_LAYOUT))
-    cols_l = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, ACC_LAYOUT))
-    row = sched_ptr + gl.program_id(0) * sched_len
-    c = 0
-    for i in range(gl.load(row)):
-        form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
-        acc = gl.zeros([HALF, TILE_N], gl.float32, ACC_LAYOUT)
-        for kk in range(k_steps):
-            s = c % STAGES
-            j = c % A_STAGES
-            mbarrier.wait(a_ready.index(j), (c // A_STAGES) & 1)
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)  # the other operand's bytes (already landed)
-            acc = warpgroup_mma(a_ring.index(2 * j).slice(CID * HALF, HALF, dim=0),
-                                o_ring.index(2 * s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma(a_ring.index(2 * j + 1).slice(CID * HALF, HALF, dim=0),
-                                o_ring.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-            if kk > 0:  # step kk - 1's MMAs have retired: its slots go back
-                mbarrier.arrive(empty.index((c - 1) % STAGES))
-                mbarrier.arrive(a_empty.index((c - 1) % A_STAGES))
-            c += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((c - 1) % STAGES))
-        mbarrier.arrive(a_empty.index((c - 1) % A_STAGES))
-        big = gl.maximum(big, gl.max(gl.where(gl.abs(acc) < BF16_ROUNDS_TO_INF, 0.0, 1.0), axis=1))
-        rows = gl.expand_dims(g0 + CID * HALF + rows_l, 1)
-        cols = gl.expand_dims(n0 + cols_l, 0)
-        if form == 0:
-            gl.store(out_dx + rows * KOUT + cols, acc.to(gl.bfloat16), mask=(rows < T) & (cols < KOUT))
-        else:
-            gl.store(out_dw + rows * KOUT + cols, acc.to(gl.bfloat16), mask=(rows < N) & (cols < KOUT))
-    raise_flag = gl.max(big, axis=0) != 0.0
-    gl.store(flag_ptr, 1, mask=raise_flag)
-
-
-@gluon.jit
-def _mla_q_grad_gemm_ss_kernel(gx_desc, gw_desc, w_desc, x_desc, out_dx, out_dw, sched_ptr, cos_ptr, sin_ptr,
-                               flag_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin,
-                               LO: gl.constexpr, HI: gl.constexpr, STAGES: gl.constexpr, A_STAGES: gl.constexpr,
-                               PROFILE: gl.constexpr = 0, BITS: gl.constexpr = 1):
-    """_mla_q_grad_gemm_kernel's work with the A operand prepared into shared memory: the transform
-    warpgroup (which also issues the TMA loads) and two consumer warpgroups; outputs contiguous
-    [rows, KOUT] bf16, stored from registers."""
-    g_dw = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, KH, HALF], gw_desc.layout)
-    g_dx = reinterpret(g_dw, gl.bfloat16, [2 * STAGES, TILE_G, KH], gx_desc.layout)
-    o_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * STAGES, TILE_N, KH], w_desc.layout)
-    a_ring = gl.allocate_shared_memory(gl.bfloat16, [2 * A_STAGES, TILE_G, KH], gx_desc.layout)
-    ready, empty = ring_barriers(STAGES, 2)
-    raw_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(raw_empty.index(i), count=1)
-    a_ready, a_empty = ring_barriers(A_STAGES, 2)
-    # twelve warps: the transform warpgroup (the default partition, no accumulators) and two consumers
-    gl.warp_specialize([
-        (_transform, (gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, a_ring, ready, empty, raw_empty, a_ready,
-                      a_empty, cos_ptr, sin_ptr, sched_ptr, sched_len, n_dx, N, T, KOUT, stride_cos, stride_sin, LO, HI,
-                      STAGES, A_STAGES, PROFILE, BITS)),
-        (_consumer_ss, (0, a_ring, o_ring, ready, empty, a_ready, a_empty, out_dx, out_dw, flag_ptr, sched_ptr,
-                        sched_len, n_dx, N, T, KOUT, STAGES, A_STAGES)),
-        (_consumer_ss, (1, a_ring, o_ring, ready, empty, a_ready, a_empty, out_dx, out_dw, flag_ptr, sched_ptr,
-                        sched_len, n_dx, N, T, KOUT, STAGES, A_STAGES)),
-    ], [4, 4], [184, 184])
-
-
-# --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
 def _desc(t, block):
@@ -622,13 +480,8 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
     pair member may be None (that output is not computed). g2 [T, N] bf16; cos / sin [T, 64] (unit last
     stride); flag int32 [1], raised (never cleared) when the caller's exact path must recompute."""
     cfg = dict(CONFIGS[0] if config is None else config)
-    if cfg.get("SS", 0) and cfg.get("A_STAGES", 2) < 2:
-        # the consumers retire step c only after issuing step c + 1 (tests/test_mla_q_grad_ss_protocol.py)
-        raise ValueError(f"A_STAGES: expected 2 or more with SS=1, got {cfg['A_STAGES']}")
-    if cfg.get("SS", 0):
-        for name, out in (("dx", dx), ("dw", dw)):
-            if out is not None and not out.is_contiguous():
-                raise ValueError(f"{name}: SS=1 stores contiguous outputs, got strides {tuple(out.stride())}")
+    if not set(cfg) <= CONFIG_KEYS or "STAGES" not in cfg:
+        raise ValueError(f"config: expected STAGES and optionally PROFILE, BITS, got {sorted(cfg)}")
     tokens, n = g2.shape
     other = w16p if w16p is not None else x16t
     kout = other.shape[0]
@@ -642,14 +495,6 @@ def launch_pair(g2: torch.Tensor, w16p, x16t, cos: torch.Tensor, sin: torch.Tens
     sched = schedule(n_dx, cdiv(n, 64), n_dw, cdiv(tokens, 64), programs, g2.device)
     w_desc = _desc(w16p if w16p is not None else x16t, [TILE_N_COLS, K_HALF])
     x_desc = _desc(x16t if x16t is not None else w16p, [TILE_N_COLS, K_HALF])
-    if cfg.get("SS", 0):
-        _mla_q_grad_gemm_ss_kernel[(programs,)](
-            _desc(g2, [TILE_G_ROWS, K_HALF]), _desc(g2, [K_HALF, 64]), w_desc, x_desc,
-            dx if dx is not None else dw, dw if dw is not None else dx, sched, cos, sin, flag, sched.shape[1], n_dx,
-            n, tokens, kout, cos.stride(0), sin.stride(0), LO=int(safe_bytes[0]), HI=int(safe_bytes[1]),
-            STAGES=cfg["STAGES"], A_STAGES=cfg.get("A_STAGES", 2), PROFILE=cfg.get("PROFILE", 0),
-            BITS=cfg.get("BITS", 1), num_warps=NUM_WARPS, enable_fp_fusion=False)
-        return
     dx_desc = _desc(dx if dx is not None else dw, [64, 64])
     dw_desc = _desc(dw if dw is not None else dx, [64, 64])
     _mla_q_grad_gemm_kernel[(programs,)](

@@ -51,14 +51,9 @@ def _run(m, dq, x, w, cos, sin, kmajor=False):
     return [o.cpu() for o in out]
 
 
-@pytest.mark.parametrize("kernel", ["register_operand", "shared_operand"])
 @pytest.mark.parametrize("form", ["bf16", "mxfp8", "mxfp8_kmajor"])
 @pytest.mark.parametrize("tokens,heads", [(64, 2), (160, 3), (256, 3)])
-def test_fused_backward_bytes_equal_spec(mod, form, tokens, heads, kernel, monkeypatch):
-    if kernel == "shared_operand":  # the SS=1 form (a transform warpgroup, shared-memory A operand)
-        from backends.triton import mla_q_grad_gluon as G
-
-        monkeypatch.setattr(G, "CONFIGS", (dict(G.CONFIGS[0], SS=1),))
+def test_fused_backward_bytes_equal_spec(mod, form, tokens, heads):
     x, w, cos, sin, dq = _case(f"fused-{tokens}-{heads}", tokens=tokens, heads=heads)
     if form != "bf16":
         x, w = spec.mxfp8_quantize(x, axis=0), spec.mxfp8_quantize(w, axis=0)
@@ -66,13 +61,8 @@ def test_fused_backward_bytes_equal_spec(mod, form, tokens, heads, kernel, monke
     _check(_run(mod, dq, x, w, cos, sin, kmajor=form == "mxfp8_kmajor"), want)
 
 
-@pytest.mark.parametrize("kernel", ["register_operand", "shared_operand"])
 @pytest.mark.parametrize("case", ["inf", "tiny", "nan"])
-def test_fused_backward_guard_gives_spec_bytes(mod, case, kernel, monkeypatch):
-    if kernel == "shared_operand":
-        from backends.triton import mla_q_grad_gluon as G
-
-        monkeypatch.setattr(G, "CONFIGS", (dict(G.CONFIGS[0], SS=1),))
+def test_fused_backward_guard_gives_spec_bytes(mod, case):
     x, w, cos, sin, dq = _case("fused-guard-" + case)
     if case == "tiny":
         dq[:] = 0.0
@@ -150,20 +140,3 @@ def test_bf16_bit_path_equals_the_conversions(mod, spread):
         assert f0 == f1 == 0
         assert torch.equal(dx0.view(torch.int16), dx1.view(torch.int16))
         assert torch.equal(dw0.view(torch.int16), dw1.view(torch.int16))
-
-
-@pytest.mark.parametrize("tokens,heads,k", [(320, 3, 256), (4096, 8, 1536)])
-def test_shared_operand_form_equals_the_register_operand_form(mod, tokens, heads, k):
-    # SS=1 issues the same wgmma instructions in the same order on the same A values: equal bytes and guard
-    g = torch.Generator(device="cuda").manual_seed(tokens + heads)
-    n = heads * 192
-    dq = (torch.randn(tokens, n, device="cuda", generator=g)
-          * torch.logspace(-3, 3, n, device="cuda").view(1, n)).to(torch.bfloat16)
-    x16t = torch.randn(k, tokens, device="cuda", generator=g).to(torch.bfloat16)
-    w16p = (torch.randn(k, n, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    ang = torch.rand(tokens, 64, device="cuda", generator=g) * 6.283
-    cos, sin = torch.cos(ang), torch.sin(ang)
-    (dx0, dw0, f0), (dx1, dw1, f1) = _launch_configs(dq, w16p, x16t, cos, sin, [dict(SS=0), dict(SS=1)])
-    assert f0 == f1 == 0
-    assert torch.equal(dx0.view(torch.int16), dx1.view(torch.int16))
-    assert torch.equal(dw0.view(torch.int16), dw1.view(torch.int16))
