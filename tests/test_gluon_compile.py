@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32, "grad": 32}  # kernel -> wgmma instructions at least
 
 _CHILD = textwrap.dedent("""
-    import json, sys
+    import inspect, json, sys
     import torch, triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -43,6 +43,12 @@ _CHILD = textwrap.dedent("""
         return mangle_type(TensorDescriptor(t, [256, 256], [256, 1], block, gl.NVMMASharedLayout.get_default_for(block, gdt)))
 
     def build(fn, types, consts, div16, num_warps):
+        # constexpr parameters left out take their defaults, as at a launch (typed as i32 they would
+        # become runtime branches and compile code no launch runs)
+        consts = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                      **consts)
+        missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+        assert not missing, f"constexpr parameters without a value: {missing}"
         names = fn.arg_names
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
         attrs = {(j,): [["tt.divisibility", 16]] for j, n in enumerate(names) if n in div16}

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import spec
-from tests.conformance.test_mla_q_triton_routes import _case, _check, _rng
+from tests.conformance.mla_q_backward_cases import backward_case, case_rng, check_dx_dw
 from tests.util import BF16, poisoned_empty
 
 torch = pytest.importorskip("torch")
@@ -54,24 +54,24 @@ def _run(m, dq, x, w, cos, sin, kmajor=False):
 @pytest.mark.parametrize("form", ["bf16", "mxfp8", "mxfp8_kmajor"])
 @pytest.mark.parametrize("tokens,heads", [(64, 2), (160, 3), (256, 3)])
 def test_fused_backward_bytes_equal_spec(mod, form, tokens, heads):
-    x, w, cos, sin, dq = _case(f"fused-{tokens}-{heads}", tokens=tokens, heads=heads)
+    x, w, cos, sin, dq = backward_case(f"fused-{tokens}-{heads}", tokens=tokens, heads=heads)
     if form != "bf16":
         x, w = spec.mxfp8_quantize(x, axis=0), spec.mxfp8_quantize(w, axis=0)
     want = spec.mla_q_uproj_rope_quant_backward(dq.astype(BF16), x, w, cos, sin, True)
-    _check(_run(mod, dq, x, w, cos, sin, kmajor=form == "mxfp8_kmajor"), want)
+    check_dx_dw(_run(mod, dq, x, w, cos, sin, kmajor=form == "mxfp8_kmajor"), want)
 
 
 @pytest.mark.parametrize("case", ["inf", "tiny", "nan"])
 def test_fused_backward_guard_gives_spec_bytes(mod, case):
-    x, w, cos, sin, dq = _case("fused-guard-" + case)
+    x, w, cos, sin, dq = backward_case("fused-guard-" + case)
     if case == "tiny":
         dq[:] = 0.0
-        dq[:, 1, :32] = 2.0 ** -110 * np.sign(_rng("tiny-signs").standard_normal((64, 32)))
+        dq[:, 1, :32] = 2.0 ** -110 * np.sign(case_rng("tiny-signs").standard_normal((64, 32)))
         w = (w.astype(np.float32) * 64.0).astype(BF16)
     else:
         dq[5, 1, 7 if case == "inf" else 150] = {"inf": np.inf, "nan": np.nan}[case]
     want = spec.mla_q_uproj_rope_quant_backward(dq.astype(BF16), x, w, cos, sin, True)
-    _check(_run(mod, dq, x, w, cos, sin), want)
+    check_dx_dw(_run(mod, dq, x, w, cos, sin), want)
 
 
 def test_fused_backward_matches_the_dequantized_route_on_random_data(mod):

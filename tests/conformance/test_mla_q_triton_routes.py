@@ -18,12 +18,12 @@ order gives spec's sum) so the comparisons are bytes.
 """
 from __future__ import annotations
 
-import zlib
 
 import numpy as np
 import pytest
 
 import spec
+from tests.conformance.mla_q_backward_cases import D, backward_case, case_rng, check_dx_dw
 from tests.test_mla_q import exact_case
 from tests.util import BF16, assert_bytes_equal, poisoned_empty, random_magnitudes
 
@@ -31,7 +31,6 @@ torch = pytest.importorskip("torch")
 from backends.convert import to_torch  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
 
-D = 192
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
@@ -61,36 +60,19 @@ def flags(monkeypatch):
     return seen
 
 
-def _rng(*parts):
-    return np.random.default_rng(zlib.crc32(repr(parts).encode()))
-
-
-def _case(tag, tokens=64, k=64, heads=2):
-    rng = _rng(tag)
-    x, w, cos, sin, _, _, _ = exact_case(rng, tokens=tokens, k=k, heads=heads)
-    dq = rng.choice([0.0, 1.0, -1.0, 0.5], size=(tokens, heads, D), p=[0.7, 0.1, 0.1, 0.1])
-    dq[0] = 0.0  # a fully masked query row: its gradient is zero
-    return x.astype(BF16), w.astype(BF16), cos.astype(np.float32), sin.astype(np.float32), dq
-
-
 def _run_backward(mod, device, dq, x, w, cos, sin):
     args = [to_torch(a, device) for a in (dq.astype(BF16), x, w, cos, sin)]
     return mod.mla_q_backward_launch(*args, quantize_grad=True)
 
 
-def _check(got, want):
-    assert_bytes_equal(got[0], want[0], "dx")
-    assert_bytes_equal(got[1], want[1], "dw")
-
-
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_backward_zero_rows_stay_on_the_fast_path(mla, flags, kind):
     mod, device = mla
-    x, w, cos, sin, dq = _case("zero-rows")
+    x, w, cos, sin, dq = backward_case("zero-rows")
     if kind == "mxfp8":
         x, w = spec.mxfp8_quantize(x, axis=0), spec.mxfp8_quantize(w, axis=0)
     want = spec.mla_q_uproj_rope_quant_backward(dq.astype(BF16), x, w, cos, sin, True)
-    _check(_run_backward(mod, device, dq, x, w, cos, sin), want)
+    check_dx_dw(_run_backward(mod, device, dq, x, w, cos, sin), want)
     assert flags == [0, 0], "an all-zero block (scale byte 0, zero codes) must not raise the guard"
 
 
@@ -100,12 +82,12 @@ def test_backward_guard_falls_back_to_spec_bytes(mla, flags, case):
     # tiny: blocks of 2^-110 (rceil byte 9 < 10 over nonzero codes);
     # nan: a NaN gradient (its block's amax ignores it; its code is NaN, the value not finite)
     mod, device = mla
-    x, w, cos, sin, dq = _case("guard-" + case)
+    x, w, cos, sin, dq = backward_case("guard-" + case)
     if case == "tiny":  # whole row and column blocks (a lone tiny value would round to code 0)
         # and nothing else, so that every fp32 sum stays exact (a tiny term beside +-1 ones would be
         # lost by any fp32 accumulation but not by spec's exact sum)
         dq[:] = 0.0
-        dq[:, 1, :32] = 2.0 ** -110 * np.sign(_rng("tiny-signs").standard_normal((64, 32)))
+        dq[:, 1, :32] = 2.0 ** -110 * np.sign(case_rng("tiny-signs").standard_normal((64, 32)))
         # w times 2^6 keeps the exact GEMM's scale products normal in fp32 (2^(9-127) * 2^(e_w-127)):
         # Triton's interpreter loses subnormal scale products (its exact kernel then returns 0)
         w = (w.astype(np.float32) * 64.0).astype(BF16)
@@ -118,7 +100,7 @@ def test_backward_guard_falls_back_to_spec_bytes(mla, flags, case):
         # under Triton's interpreter the exact block GEMM turns NaN codes into finite sums (observed: the
         # mxfp8_gemm route gives the same wrong bytes), so bytes are compared on CUDA only
         return
-    _check(got, want)
+    check_dx_dw(got, want)
 
 
 @pytest.mark.parametrize("kept", ["0", "1"])
@@ -129,7 +111,7 @@ def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags, monkeypatch, kep
     mod, device = mla
     monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", kept)
     mod.clear_weight_bf16()
-    x, w, cos, sin, dq = _case("unsafe-w")
+    x, w, cos, sin, dq = backward_case("unsafe-w")
     w = w.astype(np.float32)
     w[:32, 3] = w[:32, 3] * 2.0 ** -120
     w[32:, 3] = 0.0  # dx[:, 3] then sums tiny terms only: exact in fp32, as spec's sum
@@ -137,21 +119,21 @@ def test_backward_unsafe_mx_weight_and_k_major_copy(mla, flags, monkeypatch, kep
     xm, wm = spec.mxfp8_quantize(x, axis=0), spec.mxfp8_quantize(w, axis=0)
     want = spec.mla_q_uproj_rope_quant_backward(dq.astype(BF16), xm, wm, cos, sin, True)
     args = [to_torch(a, device) for a in (dq.astype(BF16), xm, wm, cos, sin)]
-    _check(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
+    check_dx_dw(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
     wt = args[2]
     k_major = MXTensor(wt.data.t().contiguous().t(), wt.scale.t().contiguous().t(), 0, "e4m3", "compact")
     assert not k_major.data.is_contiguous() and k_major.data.t().is_contiguous()
-    _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
+    check_dx_dw(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
     assert flags == [1, 1, 1, 1]
     # the same weight MXTensors again: with kept copies (kept="1") their dequantizations and the guard's
     # verdict on them come from the copies (the exact path still runs)
-    _check(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
-    _check(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
+    check_dx_dw(mod.mla_q_backward_launch(*args, quantize_grad=True), want)
+    check_dx_dw(mod.mla_q_backward_launch(args[0], args[1], k_major, args[3], args[4], quantize_grad=True), want)
     assert flags == [1] * 8
 
 
 def _mx_weight(device, tag="kept"):
-    w = _rng(tag).standard_normal((384, 64)).astype(np.float32)
+    w = case_rng(tag).standard_normal((384, 64)).astype(np.float32)
     w[0, :32] = 0.0  # an all-zero block (scale byte 0)
     return to_torch(spec.mxfp8_quantize(w.astype(BF16), axis=1), device)
 
@@ -254,7 +236,7 @@ def test_flat_dequantize_guard_exempts_zero_codes(triton_target):
 @pytest.mark.parametrize("raised", [False, True])
 def test_forward_gated_fallback(mla, raised):
     mod, device = mla
-    rng = _rng("fwd-gate")
+    rng = case_rng("fwd-gate")
     x, w, cos, sin, _, _, hexp = exact_case(rng, tokens=64, k=64, heads=2)
     xm = spec.mxfp8_quantize(x.astype(BF16), axis=1)
     wm = spec.mxfp8_quantize(w.astype(BF16), axis=1)
@@ -281,7 +263,7 @@ def _prepass_input(tag, rows=64, cols=384):
     an all-NaN block each way, a block one ulp off powers of two, and blocks at tiny (bf16-unsafe) scales."""
     from tests.util import special_values_f32
 
-    rng = _rng("prepass", tag)
+    rng = case_rng("prepass", tag)
     v = rng.standard_normal((rows, cols)) * 2.0 ** rng.integers(-30, 31, size=(rows, 1))
     sv = special_values_f32()
     sv = sv[np.isfinite(sv.astype(BF16).astype(np.float32)) | np.isnan(sv)]  # fp32-only extremes become Inf in bf16
@@ -313,13 +295,13 @@ def test_prepass_dequantized_bytes_and_guard(mla, monkeypatch, case, rope, kerne
         monkeypatch.setattr(prepass, "TILE", prepass.Tile(*kernel))
     rows, cols = 96, 384  # cols = 2 heads of 192
     if case == "finite":
-        src = (_rng("finite").standard_normal((rows, cols)) * 2.0 ** _rng("fm").integers(-20, 21, (rows, 1))).astype(BF16)
+        src = (case_rng("finite").standard_normal((rows, cols)) * 2.0 ** case_rng("fm").integers(-20, 21, (rows, 1))).astype(BF16)
     elif case == "specials":
         src = _prepass_input("specials", rows=rows)
     else:
-        src = (_rng("tiny").standard_normal((rows, cols)) * 2.0 ** -121).astype(BF16)
-    cos = _rng("cos").uniform(-1, 1, (rows, 64)).astype(np.float32)
-    sin = _rng("sin").uniform(-1, 1, (rows, 64)).astype(np.float32)
+        src = (case_rng("tiny").standard_normal((rows, cols)) * 2.0 ** -121).astype(BF16)
+    cos = case_rng("cos").uniform(-1, 1, (rows, 64)).astype(np.float32)
+    sin = case_rng("sin").uniform(-1, 1, (rows, 64)).astype(np.float32)
     if rope:  # the mla RoPE backward of each head's last 64 features (halves in, interleaved pairs out)
         g = src.astype(np.float32).reshape(rows, 2, 192).copy()
         gl, gr = g[..., 128:160], g[..., 160:192]
@@ -373,9 +355,9 @@ def test_prepass_per_head_kernel_strided_gradient(mla):
     # and one with the feature axis strided give the contiguous copy's bytes and guard
     mod, device = mla
     rows, cols = 64, 2 * 192
-    g = (_rng("strided").standard_normal((rows, cols)) * 2.0 ** _rng("sm").integers(-12, 13, (rows, 1))).astype(BF16)
-    cos = to_torch(_rng("cos2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
-    sin = to_torch(_rng("sin2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
+    g = (case_rng("strided").standard_normal((rows, cols)) * 2.0 ** case_rng("sm").integers(-12, 13, (rows, 1))).astype(BF16)
+    cos = to_torch(case_rng("cos2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
+    sin = to_torch(case_rng("sin2").uniform(-1, 1, (rows, 64)).astype(np.float32), device)
     dense = to_torch(g, device)
     padded = torch.zeros((rows, cols + 64), dtype=torch.bfloat16, device=device)
     padded[:, :cols] = dense
@@ -440,7 +422,7 @@ def _e4m3_inputs():
     """fp32 inputs for e4m3_value: random bit patterns (every exponent, NaN and Inf included), normal draws
     at several magnitudes, every rounding tie and its neighbours in each e4m3 binade (normal and
     subnormal), the saturation edge, signed zeros."""
-    rng = _rng("e4m3-value")
+    rng = case_rng("e4m3-value")
     bits = rng.integers(0, 2 ** 32, size=60_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     draws = (rng.standard_normal(20_000) * 2.0 ** rng.integers(-12, 10, 20_000)).astype(np.float32)
     ties = []
