@@ -1,8 +1,10 @@
 """Run a function on W local processes joined in a gloo process group (127.0.0.1 only).
 
-The processes are forked, so they inherit the imported modules (a fresh interpreter per rank would
-spend most of a test's time importing torch). Each rank's function returns a dict of picklable
-results; `run_ranks` returns them in rank order. A rank that raises fails the call with its
+The processes are forked where that is safe, so they inherit the imported modules (a fresh
+interpreter per rank spends seconds importing torch); on a machine with a GPU they are spawned, because
+a parent that has run a backward on a GPU holds autograd's device threads and a forked child's
+backward then fails. Each rank's function is then pickled by reference (a module-level function).
+Each rank's function returns a dict of picklable results; `run_ranks` returns them in rank order. A rank that raises fails the call with its
 traceback; a run past `timeout` seconds is terminated.
 """
 from __future__ import annotations
@@ -38,11 +40,15 @@ def _entry(rank: int, world: int, port: int, outdir: str, fn: Callable, args: tu
         pickle.dump(result, f)
 
 
+def start_method() -> str:
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
 def run_ranks(fn: Callable, world: int, *args, timeout: float = 120.0) -> List[Dict[str, Any]]:
     """fn(rank, world, *args) on `world` gloo ranks; the list of their returned dicts."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args), nprocs=world,
-                                 join=False, start_method="fork")
+                                 join=False, start_method=start_method())
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

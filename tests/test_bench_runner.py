@@ -25,6 +25,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import benchlib  # noqa: E402
 import run_all  # noqa: E402
 import summarize  # noqa: E402
+from tests.util import triton_interpreter_unusable  # noqa: E402
 
 FAKE_OK = """
 import argparse, json
@@ -238,6 +239,10 @@ REAL = [name for name, _ in run_all.discover(BENCH_DIR)]
 
 
 def smoke_env():
+    """The --smoke runs' environment (Triton through its interpreter); skips where that cannot run."""
+    reason = triton_interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.pop(benchlib.PEAKS_ENV, None)

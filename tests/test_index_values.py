@@ -3,13 +3,13 @@ for the tokens), index values (positions, cu_seqlens) on every CPU call, and on 
 MXMLA_CHECK_VALUES=1 (reading them costs a device synchronisation). Each error names the argument."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import dispatch
 from backends.convert import to_numpy
 from spec.checks import shape_checks_only
+from tests.util import skip_without_triton_interpreter
 import spec
 
 BACKENDS = ["spec", "torch", "triton"]
@@ -65,6 +65,8 @@ def test_table_length_is_decided_from_shapes_alone():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_positions_past_the_table_raise_on_cpu(backend):
+    if backend == "triton":
+        skip_without_triton_interpreter()
     x, cos, sin = _rope_inputs(tokens=8, rows=32)
     positions = torch.tensor([0, 3, 31, 7, 32, 1, 2, 5], dtype=torch.int32)
     x, cos, sin, positions = _as(backend, x, cos, sin, positions)
@@ -77,6 +79,8 @@ def test_positions_past_the_table_raise_on_cpu(backend):
 @pytest.mark.parametrize("cu, needle", [([0, 40, 32], "non-decreasing"), ([4, 20, 40], "start at 0"),
                                         ([0, 20, 30], "end at T=40")])
 def test_bad_cu_seqlens_raise_on_cpu(backend, cu, needle):
+    if backend == "triton":
+        skip_without_triton_interpreter()
     x, cos, sin = _rope_inputs(tokens=40, rows=64)
     good = torch.tensor([0, 20, 40], dtype=torch.int32)
     bad = torch.tensor(cu, dtype=torch.int32)
@@ -96,6 +100,8 @@ def _attention_thd(cu_q, cu_kv, seed=3):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_cu_seqlens_values_raise_on_cpu(backend):
+    if backend == "triton":
+        skip_without_triton_interpreter()
     q, k, v, cu_ok, _ = _attention_thd([0, 4, 8], [0, 4, 8])
     q, k, v, cu_ok = _as(backend, q, k, v, cu_ok)
     dispatch.run("mla_attention", q, k, v, layout="thd", cu_seqlens_q=cu_ok, cu_seqlens_kv=cu_ok, backend=backend)

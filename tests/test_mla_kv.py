@@ -22,7 +22,7 @@ import torch
 
 import dispatch.autograd as mxag
 import spec
-from tests.util import BF16, assert_bytes_equal, random_magnitudes
+from tests.util import BF16, assert_bytes_equal, random_magnitudes, skip_without_triton_interpreter
 
 LAYOUTS = {"bshd": ((2, 64, 3), 1, 2), "sbhd": ((64, 2, 3), 0, 2), "thd": ((64, 3), 0, 1)}
 
@@ -49,8 +49,7 @@ def _inputs(layout, scale, shared=True, seed=5):
 
 def _device(backend, monkeypatch):
     if backend == "triton":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        skip_without_triton_interpreter()
         return "triton", "cpu"
     if backend == "triton-cuda":
         if not torch.cuda.is_available():

@@ -8,7 +8,12 @@ import torch
 
 from spec.mxtensor import MXTensor
 
+from tests.util import TRITON_INTERPRETER  # noqa: E402
+
 pytest.importorskip("triton")
+if not TRITON_INTERPRETER:
+    pytest.skip("CPU tensors through the Triton interpreter only (tests/util.skip_without_triton_interpreter)",
+                allow_module_level=True)
 ops = pytest.importorskip("backends.triton.mla_q_grad_operands")
 from backends.triton.gemm import BF16_SAFE_SCALE_BYTES  # noqa: E402
 from backends.triton.mla_q import _dequantize_bf16  # noqa: E402

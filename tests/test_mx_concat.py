@@ -8,7 +8,7 @@ import torch
 
 import dispatch.autograd as mxag
 from spec.mxtensor import MXTensor
-from tests.util import assert_bytes_equal
+from tests.util import assert_bytes_equal, skip_without_triton_interpreter
 
 
 def _inputs(gen, scale=1.0):
@@ -28,8 +28,7 @@ def _inputs(gen, scale=1.0):
 def test_key_from_codes_equals_quantized_cat(scale, backend, monkeypatch):
     device = "cpu"
     if backend == "triton":
-        pytest.importorskip("triton")
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        skip_without_triton_interpreter()
     elif backend == "triton-cuda":
         if not torch.cuda.is_available():
             pytest.skip("needs CUDA")

@@ -11,7 +11,7 @@ import dispatch
 import dispatch.autograd as mxag
 import dispatch.weights as mxw
 from spec.mxtensor import MXTensor
-from tests.util import assert_bytes_equal, random_magnitudes, special_values_f32
+from tests.util import assert_bytes_equal, random_magnitudes, skip_without_triton_interpreter, special_values_f32
 
 N, K, T = 2 * 192, 64, 64  # two heads of the fused Q op, q_lora 64, 64 tokens
 
@@ -41,7 +41,6 @@ def _uncached(w):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bytes_equal_the_uncached_quantize_and_col_is_stored_transposed(dtype):
-    gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(_magnitudes().to(dtype))
     row, col = mxw.quantized_weight(w)
     want_row, want_col = _uncached(w)
@@ -285,7 +284,7 @@ def test_bad_weight_names_the_argument(bad, exc, match):
 def test_triton_interpreter_reads_the_transposed_col():
     """The Triton MXFP8 backward takes w_col's [K, N] view as its K-major GEMM operand: same dw as
     the torch backend given the same codes (both GEMMs exact-sum then one bf16 rounding)."""
-    pytest.importorskip("triton")
+    skip_without_triton_interpreter()
     w = _weight(torch.Generator().manual_seed(14))
     grads = []
     for backend in ("torch", "triton"):

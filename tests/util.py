@@ -1,12 +1,48 @@
 """Shared test helpers: byte comparison, seeded inputs at several magnitudes, special values, poison."""
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 
 BF16 = ml_dtypes.bfloat16
 F8E4M3 = ml_dtypes.float8_e4m3fn
 F8E5M2 = ml_dtypes.float8_e5m2
+
+# The session's Triton mode, read once here (after tests/conftest.py turned the interpreter on where
+# no GPU is): Triton fixes a kernel's mode when the kernel is defined, so a test that sets the
+# variable later still gets compiled kernels, which refuse CPU tensors.
+TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_interpreter_unusable():
+    """Why the installed Triton's interpreter cannot run mxmla's kernels here, or None. Triton's
+    interpreter before 3.9 (seen with 3.6) indexes a runtime loop bound with int() of a one-element
+    array, which the installed NumPy may refuse (checked here, not assumed)."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    major_minor = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if major_minor >= (3, 9):
+        return None
+    try:
+        int(np.array([1]))
+    except TypeError:
+        return (f"Triton {triton.__version__}'s interpreter calls int() on one-element arrays, which NumPy "
+                f"{np.__version__} refuses (Triton 3.9's interpreter does not)")
+    return None
+
+
+def skip_without_triton_interpreter() -> None:
+    """Skip a test that runs Triton kernels on CPU tensors unless the session runs the interpreter."""
+    import pytest
+
+    pytest.importorskip("triton")
+    if not TRITON_INTERPRETER:
+        pytest.skip("Triton on CPU tensors needs the interpreter from the session's start "
+                    "(tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is)")
 
 
 def as_bytes(a) -> np.ndarray:

@@ -25,7 +25,7 @@ TARGETS = [
 ]
 
 
-def _skip_reason(backend: str, device: str):
+def skip_reason(backend: str, device: str):
     if torch is None:
         return "torch is not installed"
     if device == "cuda" and not torch.cuda.is_available():
@@ -45,7 +45,7 @@ def _skip_reason(backend: str, device: str):
 @pytest.fixture(params=TARGETS, ids=[f"{b}-{d}" for b, d in TARGETS])
 def target(request):
     backend, device = request.param
-    reason = _skip_reason(backend, device)
+    reason = skip_reason(backend, device)
     if reason:
         pytest.skip(reason)
     return backend, device
@@ -54,7 +54,7 @@ def target(request):
 @pytest.fixture(params=["cpu", "cuda"], ids=["cpu", "cuda"])
 def triton_target(request):
     """("triton", device) for the Triton-only files, skipping where Triton cannot run on that device."""
-    reason = _skip_reason("triton", request.param)
+    reason = skip_reason("triton", request.param)
     if reason:
         pytest.skip(reason)
     return "triton", request.param

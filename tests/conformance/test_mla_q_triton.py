@@ -13,7 +13,6 @@ CUDA adds DeepSeek-V3 widths (H = 128, K = 1536).
 """
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
@@ -23,7 +22,7 @@ import spec
 from tests.conformance.conftest import run_on
 from tests.conformance.test_mla_q import assert_close_mx, staging_flip_bound
 from tests.test_mla_q import exact_case, mx_rowwise, random_operands, tables
-from tests.util import BF16, assert_bytes_equal, poisoned_empty
+from tests.util import BF16, assert_bytes_equal, poisoned_empty, skip_without_triton_interpreter
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_numpy, to_torch  # noqa: E402
@@ -340,7 +339,9 @@ def test_backward_odd_shapes_exact_bytes(triton_target, mla, kind, quantize_grad
 
 def test_gluon_variant_selection_off_gpu(monkeypatch):
     # Off an sm90 GPU the Gluon kernels are never chosen by auto, and naming one raises with its reasons
-    # instead of running another kernel; an MXFP8 projection names its own reason.
+    # instead of running another kernel; an MXFP8 projection names its own reason. (CPU tensors: the
+    # interpreter's choices.)
+    skip_without_triton_interpreter()
     import backends.triton.mla_q as mod
     import dispatch
 
@@ -361,6 +362,7 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
 
 
 def test_named_tma_on_operands_tma_cannot_address_raises_never_pointer():
+    skip_without_triton_interpreter()  # CPU tensors
     import backends.triton.mla_q as mod
     import dispatch
 

@@ -42,9 +42,9 @@ def _bounded(n):
 @pytest.fixture(params=CPU_TARGETS + [("torch", "cuda"), ("triton", "cuda"), ("cudnn", "cuda")],
                 ids=lambda t: f"{t[0]}-{t[1]}")
 def target(request):
-    from tests.conformance.conftest import _skip_reason
+    from tests.conformance.conftest import skip_reason
 
-    reason = _skip_reason(*request.param)
+    reason = skip_reason(*request.param)
     if reason:
         pytest.skip(reason)
     return request.param

@@ -22,7 +22,7 @@ import pytest
 
 import spec
 from spec.mxtensor import MXTensor
-from tests.conformance.conftest import _skip_reason
+from tests.conformance.conftest import skip_reason
 from tests.util import BF16, assert_bytes_equal, random_magnitudes, special_values_f32
 
 torch = pytest.importorskip("torch")
@@ -42,7 +42,7 @@ ALL_MODES = [(e, m, n) for e in ("e4m3", "e5m2") for m in ("rceil", "floor", "ce
 
 @pytest.fixture(params=DEVICES, ids=[f"triton-{d}" for d in DEVICES])
 def device(request):
-    reason = _skip_reason("triton", request.param)
+    reason = skip_reason("triton", request.param)
     if reason:
         pytest.skip(reason)
     return request.param
