@@ -3,7 +3,8 @@ sm100a, no GPU needed: Triton's own compiler lowers the kernel to TTGIR, PTX and
 ships) a cubin, and the block-scaled tensor-core MMA must appear at every level:
 
 - TTGIR: `ttng.tc_gen5_mma_scaled` (Triton's fifth-generation tensor-core MMA with scales),
-- PTX:   `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32` (one E8M0 scale per 32 elements),
+- PTX:   `tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32` (one E8M0 scale per 32 elements;
+         Triton 3.6 spells the same scale vector `.scale_vec::1X`),
 - SASS:  `UTCQMMA` (when cuobjdump is shipped beside ptxas).
 
 It shows the route lowers to the MX instruction instead of an emulation; it does not run it (no sm100
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PTX_MMA = "tcgen05.mma.cta_group::1.kind::mxf8f6f4.block_scale.block32"
+PTX_MMA = re.compile(r"tcgen05\.mma\.cta_group::1\.kind::mxf8f6f4\.block_scale\.(block32|scale_vec::1X)\b")
 
 # (case, a format, b format, scales swizzled): e4m3 x e4m3 is the project's GEMM; e4m3 x e5m2 and the
 # swizzled scale addressing are the other forms the route launches.
@@ -87,8 +88,8 @@ def test_dot_scaled_route_compiles_to_block_scaled_mma_for_sm100a(tmp_path):
         ptx = (tmp_path / f"{case}.ptx").read_text()
         assert "ttng.tc_gen5_mma_scaled" in ttgir, case
         assert re.search(r"^\.target\s+sm_100a\b", ptx, re.MULTILINE), case
-        mma = [line.strip() for line in ptx.splitlines() if PTX_MMA in line]
-        assert mma, f"{case}: no {PTX_MMA} in the PTX"
+        mma = [line.strip() for line in ptx.splitlines() if PTX_MMA.search(line)]
+        assert mma, f"{case}: no {PTX_MMA.pattern} in the PTX"
         assert "tt.dot_scaled" not in ttgir  # the op became the MMA, not a decomposition around it
         assert (tmp_path / f"{case}.cubin").stat().st_size > 0  # ptxas accepted it for sm_100a
         print(f"{case}: {len(mma)} x {mma[0]}")

@@ -43,6 +43,9 @@ def skip_without_triton_interpreter() -> None:
     if not TRITON_INTERPRETER:
         pytest.skip("Triton on CPU tensors needs the interpreter from the session's start "
                     "(tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is)")
+    reason = triton_interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
 
 
 def as_bytes(a) -> np.ndarray:

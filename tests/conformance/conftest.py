@@ -30,8 +30,14 @@ def skip_reason(backend: str, device: str):
         return "torch is not installed"
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device on this machine"
-    if backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "triton on CPU needs TRITON_INTERPRET=1"
+    if backend == "triton" and device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "triton on CPU needs TRITON_INTERPRET=1"
+        from tests.util import triton_interpreter_unusable
+
+        reason = triton_interpreter_unusable()
+        if reason:
+            return reason
     import backends
 
     backends.load()
