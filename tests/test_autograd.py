@@ -23,7 +23,7 @@ import torch
 import dispatch
 import dispatch.autograd as mxag
 from spec.mxtensor import MXTensor
-from tests.util import assert_bytes_equal
+from tests.util import assert_bytes_equal, skip_without_triton_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 H = 2  # heads in the small shapes (the head dims 192 / 128 are fixed by the ops)
@@ -565,7 +565,7 @@ def test_triton_interpreter_gradients_match_torch(path):
     """backend='triton' for every forward and backward gives the torch backend's gradients: the
     custom ops hand the Triton kernels operands they accept. Bound 5e-2 relative Frobenius
     (SEMANTICS 8's MXFP8 attention bound; the rest is bf16 rounding); measured 1.3e-2 / 4e-3."""
-    pytest.importorskip("triton")
+    skip_without_triton_interpreter()
     gen = torch.Generator().manual_seed(16)
     tokens = 32
     cos, sin = rope_tables(tokens, gen)

@@ -12,7 +12,7 @@ import dispatch.autograd as mxag
 import dispatch.nn as mxnn
 import dispatch.weights as mxw
 from spec.mxtensor import MXTensor
-from tests.util import assert_bytes_equal
+from tests.util import assert_bytes_equal, skip_without_triton_interpreter
 
 B, S, K, H = 2, 32, 64, 2
 T, N = B * S, H * 192
@@ -293,7 +293,7 @@ def test_q_node_equals_the_composition_torch(x_dtype, w_dtype, style):
 @pytest.mark.parametrize("x_dtype, w_dtype, style", [(torch.bfloat16, torch.float32, "mla"),
                                                      (torch.float32, torch.bfloat16, "neox")])
 def test_q_node_equals_the_composition_triton(x_dtype, w_dtype, style):
-    pytest.importorskip("triton")
+    skip_without_triton_interpreter()
     node, composition = _node_case(x_dtype, w_dtype, style, "triton", heads=1, seed=11)
     _assert_same(node, composition, f"triton {x_dtype} {w_dtype} {style}")
 

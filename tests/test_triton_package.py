@@ -91,6 +91,9 @@ def test_interpreted_attention_from_eight_threads_matches_serial_bytes():
 
     if not interpret_mode():
         pytest.skip("checks the interpreter's lock; compiled launches are thread-safe by themselves")
+    reason = triton_interpreter_unusable()
+    if reason:
+        pytest.skip(reason)
     inputs = [_attention_inputs(s) for s in range(8)]
     serial = [dispatch.run("mla_attention", *t, causal=bool(i % 2), backend="triton") for i, t in enumerate(inputs)]
     results = [None] * 8

@@ -35,7 +35,7 @@ from tests.conformance.test_attention import (
     check_forward,
     make_inputs,
 )
-from tests.util import BF16, random_magnitudes
+from tests.util import BF16, random_magnitudes, triton_interpreter_unusable
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_numpy, to_torch  # noqa: E402
@@ -49,6 +49,9 @@ def target():
         device = "cuda"
     elif os.environ.get("TRITON_INTERPRET") == "1":
         device = "cpu"
+        reason = triton_interpreter_unusable()
+        if reason:
+            pytest.skip(reason)
     else:
         pytest.skip("triton needs CUDA, or TRITON_INTERPRET=1 on the CPU")
     import backends
