@@ -105,6 +105,8 @@ class _NoAutotune:
 def _gpu_path(monkeypatch, mod):
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
     monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "0")
+    # every launch through kernel[grid], i.e. the recorder (fast_launch's cache keys on the CUDA device)
+    monkeypatch.setenv("MXMLA_TRITON_FAST_LAUNCH", "0")
 
 
 def test_rope_fixed_tile(monkeypatch):
