@@ -3,9 +3,9 @@
 The processes are forked where that is safe, so they inherit the imported modules (a fresh
 interpreter per rank spends seconds importing torch); on a machine with a GPU they are spawned, because
 a parent that has run a backward on a GPU holds autograd's device threads and a forked child's
-backward then fails. Each rank's function is then pickled by reference (a module-level function).
-Each rank's function returns a dict of picklable results; `run_ranks` returns them in rank order. A rank that raises fails the call with its
-traceback; a run past `timeout` seconds is terminated.
+backward then fails (the rank's function is then pickled by reference: a module-level function).
+Each rank's function returns a dict of picklable results; `run_ranks` returns them in rank order. A
+rank that raises fails the call with its traceback; a run past `timeout` seconds is terminated.
 """
 from __future__ import annotations
 

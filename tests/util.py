@@ -1,6 +1,7 @@
 """Shared test helpers: byte comparison, seeded inputs at several magnitudes, special values, poison."""
 from __future__ import annotations
 
+import functools
 import os
 
 import ml_dtypes
@@ -10,12 +11,13 @@ BF16 = ml_dtypes.bfloat16
 F8E4M3 = ml_dtypes.float8_e4m3fn
 F8E5M2 = ml_dtypes.float8_e5m2
 
-# The session's Triton mode, read once here (after tests/conftest.py turned the interpreter on where
+# The test run's Triton mode, read once here (after tests/conftest.py turned the interpreter on where
 # no GPU is): Triton fixes a kernel's mode when the kernel is defined, so a test that sets the
 # variable later still gets compiled kernels, which refuse CPU tensors.
 TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.lru_cache(maxsize=None)
 def triton_interpreter_unusable():
     """Why the installed Triton's interpreter cannot run mxmla's kernels here, or None. Triton's
     interpreter before 3.9 (seen with 3.6) indexes a runtime loop bound with int() of a one-element
@@ -36,12 +38,12 @@ def triton_interpreter_unusable():
 
 
 def skip_without_triton_interpreter() -> None:
-    """Skip a test that runs Triton kernels on CPU tensors unless the session runs the interpreter."""
+    """Skip a test that runs Triton kernels on CPU tensors unless the test run uses the interpreter."""
     import pytest
 
     pytest.importorskip("triton")
     if not TRITON_INTERPRETER:
-        pytest.skip("Triton on CPU tensors needs the interpreter from the session's start "
+        pytest.skip("Triton on CPU tensors needs the interpreter from the start of the test run "
                     "(tests/conftest.py sets TRITON_INTERPRET=1 where no GPU is)")
     reason = triton_interpreter_unusable()
     if reason:

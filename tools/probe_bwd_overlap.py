@@ -20,7 +20,6 @@ import backends  # noqa: E402
 import benchlib  # noqa: E402
 
 backends.load()
-from backends.triton import mla_q as Q  # noqa: E402
 from backends.triton.mla_q_prepass import prepass_dequantized  # noqa: E402
 
 

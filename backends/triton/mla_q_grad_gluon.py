@@ -12,10 +12,10 @@ the guard stays down), so the MMA multiplies exactly the spec's g_row (dx) or g_
 operand. A head's RoPE features are widened to fp32 and put through the mla RoPE backward first (fp32,
 no FMA contraction: the pre-pass's rounding), then quantized through the hardware e4m3 conversions; the
 other chunks (two thirds) are quantize-dequantized on their bf16 bits (_qdq_bits: an add and a subtract
-of a per-value magic on packed pairs; BITS=0, a launch config key, takes the conversions for them too). This is the spec's MXFP8 backward (spec/mla_q.py)
-with the products exact and the sum in fp32: the contract of the two-GEMM route (mla_q's "dequantized"),
-whose pre-pass reads g once and writes two bf16 copies (6 bytes an element; 0.18 ms of a 1.12 ms
-backward at T = 4096 on the H200). The other operands come from mla_q_grad_operands.py: w16p [K, N]
+of a per-value magic on packed pairs; BITS=0, a launch config key, takes the conversions for them too).
+This is the spec's MXFP8 backward (spec/mla_q.py) with the products exact and the sum in fp32: the
+contract of the two-GEMM route (mla_q's "dequantized"), whose pre-pass reads g once and writes two
+bf16 copies (6 bytes an element; 0.18 ms of a 1.12 ms backward at T = 4096 on the H200). The other operands come from mla_q_grad_operands.py: w16p [K, N]
 (w's RoPE rows in this kernel's order, below) and x16t [K, T], both dequantized K-major.
 
 Why g is the register operand: wgmma takes only A from registers, and the per-element work is paid
@@ -48,10 +48,10 @@ run (two register sets used alternately, k-steps in pairs: an odd count gets one
 their half of the tile by TMA. PROFILE (a launch config key) leaves the quantization (1) or the RoPE (2)
 out, for timing only.
 
-A shared-memory-operand form (a transform warpgroup preparing each k-step's A once per 128-row tile
-into a ring that both consumers' wgmma read) was built and measured on an H100 (2026-12-07,
-BENCHMARKS.md): byte-identical, but 2.91-3.01x the two GEMMs against this form's 2.64-2.72x, and
-1.37x without any quantization or RoPE against this form's 1.14x; it was removed.
+Why not a shared-memory A operand (a transform warpgroup preparing each k-step's A once per 128-row
+tile into a ring that both consumers' wgmma read): measured on an H100 (BENCHMARKS.md), that form gave
+the same bytes at 2.91-3.01x the two GEMMs against this one's 2.64-2.72x, and 1.37x against 1.14x with
+no quantization or RoPE at all.
 
 Scope: sm90, Triton 3.6 or 3.9 (_gluon_compat.py); g2 and the other operand with unit last stride and
 16-byte aligned rows; T a multiple of 32; K (the output's width) a multiple of 8.
@@ -104,13 +104,12 @@ def _tile(item, n_dx, num_n, N, T):
 
 
 @gluon.jit
-def _load_step(c, item, kk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty,
+def _load_step(c, form, g0, n0, kk, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty,
                STAGES: gl.constexpr):
-    """Ring step c = k-step kk of work item `item`, once its slot is free: g's tile as two K halves
-    ([128, 32] for dx; for dw [32, 64] per warpgroup) and the other operand's [256, 32] K halves (TMA
-    zero fill past the edges)."""
+    """Ring step c = k-step kk of the work item (form, g0, n0) of _tile, once its slot is free: g's tile
+    as two K halves ([128, 32] for dx; for dw [32, 64] per warpgroup) and the other operand's [256, 32]
+    K halves (TMA zero fill past the edges)."""
     nbytes: gl.constexpr = (TILE_G + TILE_N) * 64 * 2
-    form, g0, n0, k_steps = _tile(item, n_dx, num_n, N, T)
     s = c % STAGES
     mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
     mbarrier.expect(ready.index(s), nbytes)
@@ -133,11 +132,10 @@ def _producer(gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty
     row = sched_ptr + gl.program_id(0) * sched_len
     c = 0
     for i in range(gl.load(row)):
-        item = gl.load(row + 1 + i)
-        form, g0, n0, k_steps = _tile(item, n_dx, num_n, N, T)
+        form, g0, n0, k_steps = _tile(gl.load(row + 1 + i), n_dx, num_n, N, T)
         for kk in range(k_steps):
-            _load_step(c, item, kk, n_dx, num_n, N, T, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready,
-                       empty, STAGES)
+            _load_step(c, form, g0, n0, kk, gx_desc, gw_desc, w_desc, x_desc, g_dx, g_dw, o_ring, ready, empty,
+                       STAGES)
             c += 1
 
 

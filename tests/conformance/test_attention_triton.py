@@ -27,7 +27,7 @@ import pytest
 
 import spec
 from spec.attention import SEQ_AXIS
-from tests.conformance.conftest import run_on
+from tests.conformance.conftest import run_on, skip_reason
 from tests.conformance.test_attention import (
     BF16_BOUND,
     LSE_ABS_BOUND,
@@ -35,7 +35,7 @@ from tests.conformance.test_attention import (
     check_forward,
     make_inputs,
 )
-from tests.util import BF16, random_magnitudes, triton_interpreter_unusable
+from tests.util import BF16, random_magnitudes
 
 torch = pytest.importorskip("torch")
 from backends.convert import to_numpy, to_torch  # noqa: E402
@@ -45,21 +45,10 @@ D_QK, D_V = 192, 128
 
 @pytest.fixture
 def target():
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        device = "cuda"
-    elif os.environ.get("TRITON_INTERPRET") == "1":
-        device = "cpu"
-        reason = triton_interpreter_unusable()
-        if reason:
-            pytest.skip(reason)
-    else:
-        pytest.skip("triton needs CUDA, or TRITON_INTERPRET=1 on the CPU")
-    import backends
-
-    backends.load()
-    info = backends.backend_infos().get("triton")
-    if info is None or not info.available:
-        pytest.skip("triton backend unavailable")
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    reason = skip_reason("triton", device)
+    if reason:
+        pytest.skip(reason)
     return "triton", device
 
 

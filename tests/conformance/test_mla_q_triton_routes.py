@@ -18,7 +18,6 @@ order gives spec's sum) so the comparisons are bytes.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
