@@ -113,16 +113,13 @@ def measure_mx_backward(T, K, H, x, w, xm, wm, cos, sin, flops, common):
     w_n_kmajor = type(w_n)(w_n.data.t().contiguous().t(), w_n.scale.t().contiguous().t(), 0, "e4m3", "compact")
     gemms = lambda: (torch.matmul(dq2, w), torch.matmul(dq2.t(), x))  # noqa: E731
     forms = {"bf16 x, w": (x, w), "MXFP8 x_t, w_n": (x_t, w_n), "MXFP8 x_t, K-major w_n": (x_t, w_n_kmajor)}
-    fused_ok = not triton_mla_q.fused_backward_reasons(dq, x_t, w_n)
     for name, (xa, wa) in forms.items():
-        for route in ("dequantized", "fused") if fused_ok else ("dequantized",):
-            fn = lambda xa=xa, wa=wa, route=route: triton_mla_q.mla_q_backward_launch(  # noqa: E731
-                dq, xa, wa, cos, sin, True, route=route)
-            secs = first_call_s(fn)
-            pair = benchlib.interleaved_ms({"gemms": gemms, "bwd": fn})
-            REC.row(op="bwd-mx", impl=f"triton MXFP8 backward ({route}), {name} (first call {secs:.2f} s; in turns "
-                    f"with the two GEMMs: {pair['gemms']:.4f} ms)", ms=pair["bwd"], tflops=2 * flops / pair["bwd"] / 1e9,
-                    ratio=pair["bwd"] / pair["gemms"], vs="2 bf16 GEMMs", flops=2 * flops, **common)
+        fn = lambda xa=xa, wa=wa: triton_mla_q.mla_q_backward_launch(dq, xa, wa, cos, sin, True)  # noqa: E731
+        secs = first_call_s(fn)
+        pair = benchlib.interleaved_ms({"gemms": gemms, "bwd": fn})
+        REC.row(op="bwd-mx", impl=f"triton MXFP8 backward (dequantized), {name} (first call {secs:.2f} s; in turns "
+                f"with the two GEMMs: {pair['gemms']:.4f} ms)", ms=pair["bwd"], tflops=2 * flops / pair["bwd"] / 1e9,
+                ratio=pair["bwd"] / pair["gemms"], vs="2 bf16 GEMMs", flops=2 * flops, **common)
     flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     prep = lambda: triton_mla_q._prep_launch(dq2, cos, sin, rope=True, row_dq=True, col_dq=True, flag=flag)  # noqa: E731
     out = torch.empty_like(dq2)

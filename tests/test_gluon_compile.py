@@ -23,7 +23,7 @@ if compat.version_reasons():
     pytest.skip("; ".join(compat.version_reasons()), allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32, "grad": 32}  # kernel -> wgmma instructions at least
+KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32}  # kernel -> wgmma instructions at least
 
 _CHILD = textwrap.dedent("""
     import inspect, json, sys
@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent("""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
-    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG, mla_q_mx_gluon as QM, mla_q_grad_gluon as QB
+    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG, mla_q_mx_gluon as QM
 
     SM90 = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
 
@@ -70,17 +70,6 @@ _CHILD = textwrap.dedent("""
                      "out_desc": desc(torch.bfloat16, [GG._TILE_A, 64]), "b_scale_ptr": "*u8", "flag_ptr": "*i32"}
             out[name] = build(GG._mxfp8_gemm_gluon_kernel, types, dict(cfg, SWIZZLED=0, IS_E5M2=0, LO=100, HI=150, ODD_STEPS=0),
                               ("b_scale_ptr", "flag_ptr", "M", "N", "K", "stride_sr"), GG.NUM_WARPS)
-            continue
-        if name == "grad":
-            types = {"gx_desc": desc(torch.bfloat16, [QB.TILE_G_ROWS, QB.K_HALF]), "gw_desc": desc(torch.bfloat16, [QB.K_HALF, 64]),
-                     "w_desc": desc(torch.bfloat16, [QB.TILE_N_COLS, QB.K_HALF]),
-                     "x_desc": desc(torch.bfloat16, [QB.TILE_N_COLS, QB.K_HALF]),
-                     "dx_desc": desc(torch.bfloat16, [64, 64]), "dw_desc": desc(torch.bfloat16, [64, 64]),
-                     "sched_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "flag_ptr": "*i32"}
-            consts = dict(LO=3, HI=246, STAGES=QB.CONFIGS[0]["STAGES"])
-            out[name] = build(QB._mla_q_grad_gemm_kernel, types, consts,
-                              ("sched_ptr", "cos_ptr", "sin_ptr", "flag_ptr", "N", "T", "KOUT", "stride_cos", "stride_sin"),
-                              QB.NUM_WARPS)
             continue
         if name == "gluon_mx":
             cfg = dict(QM.CONFIGS[0]); bk = cfg["BLOCK_K"]

@@ -973,7 +973,7 @@ def _transposed_operand(t: MXTensor) -> MXTensor:
     return MXTensor(t.data.t(), scale, 1, t.elem, t.scale_layout)
 
 
-BACKWARD_ROUTES = ("dequantized", "mxfp8_gemm", "fused")
+BACKWARD_ROUTES = ("dequantized", "mxfp8_gemm")
 
 
 def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False, route="dequantized"):
@@ -991,8 +991,6 @@ def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False, route="dequan
         return torch.matmul(g, wb), torch.matmul(g.t(), xb)
     if route == "dequantized":
         return _backward_dequantized(dq2, x, w, cos, sin)
-    if route == "fused":
-        return _backward_fused(dq2, x, w, cos, sin)
     _, (g_codes, g_scale), (gt_codes, gt_scale) = _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True)
     g_row = MXTensor(g_codes, g_scale, 1, "e4m3", "compact")  # [T, N] blocked along N
     g_col_t = MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact")  # [N, T] blocked along T
@@ -1184,43 +1182,6 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     return dx, dw
 
 
-def _backward_fused(dq2, x, w, cos, sin):
-    """The MXFP8 backward with g's RoPE backward and quantize-dequantize inside the two GEMMs' main loops
-    (mla_q_grad_gluon.py): g is read as it is by each GEMM, and only x and w are dequantized first,
-    K-major, w's RoPE rows in the order the dx kernel holds g's rotated features
-    (mla_q_grad_operands.py). Products exact, sums in fp32, one rounding: the contract of the
-    dequantized route. Guards as there: every kernel raises the flag, and the gated exact path (the
-    pre-pass writing codes, the exact block GEMMs) recomputes both outputs when it is up."""
-    from .mla_q_grad_gluon import launch_pair
-    from .mla_q_grad_operands import contraction_bf16
-
-    tokens, n = dq2.shape
-    device = dq2.device
-    safe = BF16_SAFE_SCALE_BYTES["e4m3"]
-    hw = _hw_cvt(device)
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
-    w_src = w if isinstance(w, MXTensor) else _contraction_bf16(w, flag)  # [N, K]: exact MXFP8 values
-    x_src = x if isinstance(x, MXTensor) else _contraction_bf16(x, flag)  # [T, K]
-    w16p = contraction_bf16(w_src, flag, safe, True, hw)  # [K, N]
-    x16t = contraction_bf16(x_src, flag, safe, False, hw)  # [K, T]
-    g2 = dq2 if _tma_ok(dq2) else dq2.contiguous()
-    cos, sin = _unit_last(cos), _unit_last(sin)
-    k = w16p.shape[0]
-    dx = _empty((tokens, k), torch.bfloat16, device)
-    dw = _empty((n, k), torch.bfloat16, device)
-    if not (tokens and n and k):
-        dx.zero_()
-        dw.zero_()
-        return dx, dw
-    launch_pair(g2, w16p, x16t, cos, sin, dx, dw, flag, safe)  # both GEMMs, one persistent launch
-    g_bufs = (torch.empty((tokens, n), dtype=torch.float8_e4m3fn, device=device),
-              torch.empty((tokens, n // 32), dtype=torch.uint8, device=device),
-              torch.empty((n, tokens), dtype=torch.float8_e4m3fn, device=device),
-              torch.empty((n, tokens // 32), dtype=torch.uint8, device=device))
-    _gated_exact_backward(dq2, x, w, cos, sin, dx, dw, flag, g_bufs, x_src, w_src)
-    return dx, dw
-
-
 # --------------------------------------------------------------------------------------------------
 # registration
 # --------------------------------------------------------------------------------------------------
@@ -1263,8 +1224,6 @@ BACKWARD_OP = "mla_q_uproj_rope_quant_backward"
 
 def _backward_check(route):
     def check(dq, x, w, cos, sin, quantize_grad=False):
-        if route == "fused" and quantize_grad:
-            return fused_backward_reasons(dq, x, w)
         if route == "bf16":
             return ["quantize_grad=True: the MXFP8 backward's routes are " + ", ".join(BACKWARD_ROUTES)] \
                 if quantize_grad else []
@@ -1272,29 +1231,7 @@ def _backward_check(route):
     return check
 
 
-def fused_backward_reasons(dq, x, w) -> List[str]:
-    """Why the fused MXFP8 backward (mla_q_grad_gluon.py) cannot run on these operands (empty: it can)."""
-    if isinstance(x, MXTensor) != isinstance(w, MXTensor):
-        return ["x and w must both be bf16 or both MXTensors"]
-    if interpret_mode() or dq.device.type != "cuda":
-        return ["the fused backward's Gluon kernels run on CUDA only (no interpreter)"]
-    cc = torch.cuda.get_device_capability(dq.device)
-    if cc[0] != 9:
-        return [f"the fused backward's kernels use sm90 wgmma, {dq.device} is {cc[0]}.{cc[1]}"]
-    try:
-        from . import mla_q_grad_gluon  # noqa: F401
-        from ._gluon_compat import version_reasons
-    except ImportError as exc:  # a Triton without Gluon's Hopper API
-        return [f"Gluon unavailable in this Triton ({triton.__version__}): {exc}"]
-    reasons = list(version_reasons())
-    for name, t in (("x", x), ("w", w)):
-        if isinstance(t, MXTensor) and (t.elem != "e4m3" or t.scale_layout != "compact"):
-            reasons.append(f"{name}: the fused backward takes e4m3 MXTensors with compact scales")
-    return reasons
-
-
-# "fused" is named only (priority 0) until the H200 measures it faster than "dequantized"
-for _name, _priority in (("bf16", 30), ("dequantized", 20), ("mxfp8_gemm", 10), ("fused", 0)):
+for _name, _priority in (("bf16", 30), ("dequantized", 20), ("mxfp8_gemm", 10)):
     register_variant(BACKWARD_OP, "triton", _name, _priority, check=_backward_check(_name))
 
 

@@ -1,5 +1,5 @@
-"""Inputs and the byte check shared by the MXFP8 backward's route tests (test_mla_q_triton_routes.py,
-test_mla_q_fused_backward.py): exact-arithmetic cases, so any fp32 summation order gives spec's sum
+"""Inputs and the byte check of the MXFP8 backward's route tests (test_mla_q_triton_routes.py):
+exact-arithmetic cases, so any fp32 summation order gives spec's sum
 and the outputs compare as bytes."""
 from __future__ import annotations
 
