@@ -158,7 +158,7 @@ def measure(tokens, K, H):
                            flops=flops, bytes=fwd_bytes, **common, **kw)
 
         ref = None
-        for variant in ("gluon", "gluon_ws", "gluon_ws128", "tma", "pointer"):
+        for variant in ("gluon_ws", "gluon_ws128", "tma", "pointer"):
             if variant.startswith("gluon") and triton_mla_q.gluon_reasons(x, w):
                 REC.note(f"triton fwd [gluon] {shape}: not run ({'; '.join(triton_mla_q.gluon_reasons(x, w))})")
                 continue
@@ -236,7 +236,7 @@ def measure(tokens, K, H):
                     f"{pair['gemm']:.4f} ms)", ms=pair["fused"], tflops=flops / pair["fused"] / 1e9,
                     ratio=pair["fused"] / pair["gemm"], vs=VS, flops=flops, bytes=mx_bytes, **common)
             measure_mx_backward(T, K, H, x, w, xm, wm, cos, sin, flops, common)
-            for variant in ("gluon_mx", "gluon_ws128", "tma", "pointer"):  # the others, not in turns
+            for variant in ("gluon_ws128", "tma", "pointer"):  # the others, not in turns
                 if variant == mx_default or triton_mla_q.forward_variant_reasons(variant, xm, wm):
                     continue
                 fn = lambda v=variant: triton_mla_q.mla_q_forward_launch(xm, wm, cos, sin, variant=v)  # noqa: E731

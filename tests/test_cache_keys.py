@@ -91,7 +91,7 @@ def test_import_leaves_every_kernel_key_computed_and_stable():
         import hashlib, importlib, sys
         import backends.triton as bt
         from backends.triton import _common
-        for gluon in ("mla_q_gluon", "mla_q_mx_gluon", "gemm_gluon"):  # imported by their op modules when they launch
+        for gluon in ("mla_q_gluon", "gemm_gluon"):  # imported by their op modules when they launch
             try:
                 importlib.import_module("backends.triton." + gluon)
             except ImportError:  # a Triton without Gluon

@@ -1,4 +1,4 @@
-"""The sm90 Gluon kernels (mla_q_gluon's three forward kernels, mla_q_mx_gluon's, gemm_gluon's GEMM) compile
+"""The sm90 Gluon kernels (mla_q_gluon's two forward kernels, gemm_gluon's GEMM) compile
 offline for sm90 with the installed Triton (3.9 on the CPU CI, through _gluon_compat's shim; 3.6 on the H200,
 where the conformance suite also runs them), and the PTX holds the wgmma main loop and the TMA traffic.
 No GPU needed: Triton's offline compiler and its bundled ptxas (GPUTarget cuda 90).
@@ -23,7 +23,7 @@ if compat.version_reasons():
     pytest.skip("; ".join(compat.version_reasons()), allow_module_level=True)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNELS = {"gluon": 8, "gluon_ws": 16, "gluon_ws128": 32, "gemm": 32, "gluon_mx": 32}  # kernel -> wgmma instructions at least
+KERNELS = {"gluon_ws": 16, "gluon_ws128": 32, "gemm": 32}  # kernel -> wgmma instructions at least
 
 _CHILD = textwrap.dedent("""
     import inspect, json, sys
@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent("""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
-    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG, mla_q_mx_gluon as QM
+    from backends.triton import gemm_gluon as GG, mla_q_gluon as QG
 
     SM90 = GPUTarget("cuda", 90, 32)  # (backend, compute capability, warp size)
 
@@ -61,7 +61,7 @@ _CHILD = textwrap.dedent("""
                 "shared": k.metadata.shared}
 
     out = {}
-    fwd = {"gluon": (QG._mla_q_fwd_gluon_kernel, QG.CONFIGS), "gluon_ws": (QG._mla_q_fwd_gluon_ws_kernel, QG.WS_CONFIGS),
+    fwd = {"gluon_ws": (QG._mla_q_fwd_gluon_ws_kernel, QG.WS_CONFIGS),
            "gluon_ws128": (QG._mla_q_fwd_gluon_ws128_kernel, QG.WS128_CONFIGS)}
     for name in sys.argv[1:]:
         if name == "gemm":
@@ -70,18 +70,6 @@ _CHILD = textwrap.dedent("""
                      "out_desc": desc(torch.bfloat16, [GG._TILE_A, 64]), "b_scale_ptr": "*u8", "flag_ptr": "*i32"}
             out[name] = build(GG._mxfp8_gemm_gluon_kernel, types, dict(cfg, SWIZZLED=0, IS_E5M2=0, LO=100, HI=150, ODD_STEPS=0),
                               ("b_scale_ptr", "flag_ptr", "M", "N", "K", "stride_sr"), GG.NUM_WARPS)
-            continue
-        if name == "gluon_mx":
-            cfg = dict(QM.CONFIGS[0]); bk = cfg["BLOCK_K"]
-            types = {"x_desc": desc(torch.bfloat16, [256, bk]), "w_desc": desc(torch.uint8, [128, bk]),
-                     "row_desc": desc(torch.uint8, [64, 64]), "col_desc": desc(torch.uint8, [64, 64]),
-                     "w_scale_ptr": "*u8", "flag_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                     "row_scale_ptr": "*u8", "col_scale_ptr": "*u8"}
-            consts = dict(cfg, SWIZZLED=0, IS_E5M2=0, LO=10, HI=246, ODD_STEPS=0, R_CONSUMER=QM.REGS[0],
-                          R_EPILOGUE=QM.REGS[1], EPILOGUE_SKIP=0)
-            out[name] = build(QM._mla_q_fwd_gluon_mx_kernel, types, consts,
-                              ("w_scale_ptr", "flag_ptr", "cos_ptr", "sin_ptr", "row_scale_ptr", "col_scale_ptr",
-                               "T", "N", "K"), QM.NUM_WARPS)
             continue
         fn, configs = fwd[name]
         cfg = dict(configs[0]); bk = cfg["BLOCK_K"]

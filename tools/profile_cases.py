@@ -9,7 +9,6 @@
     python tools/profile_cases.py attn_fwd_configs [--tokens 4096]  # attention forward per tile config vs cuDNN
     python tools/profile_cases.py gemm_gluon [--tokens 4096]     # MXFP8 GEMM routes per Gluon config vs cuBLAS
     python tools/profile_cases.py gemm_gluon_launch              # three Gluon GEMM launches, for ncu
-    python tools/profile_cases.py mla_q_mx [--tokens 4096,16384]  # MXFP8-projection forward routes vs cuBLAS
 
 mla_q: the fused Q up-projection (bf16 projection, DeepSeek-V3 widths) warmed up, then 3 launches:
 run under `ncu --kernel-name regex:_mla_q_fwd --launch-skip 2 --launch-count 1` (tools/gpu_profile.sh)
@@ -76,24 +75,6 @@ def mla_q_parts(token_list) -> None:
         tuned = ms(lambda: dispatch.run("mla_q_uproj_rope_quant", x, w, cos, sin, backend="triton"))
         tma = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="tma"))
         print(f"T={tokens}: Triton TMA kernel, autotuned {tma:.3f} ms ({tma / gemm:.2f}x)")
-        try:
-            from backends.triton import mla_q_gluon
-
-            heads = w.shape[0] // 192
-            outs = (torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
-                    torch.empty(tokens, heads, 6, dtype=torch.uint8, device="cuda"),
-                    torch.empty(tokens, heads, 192, dtype=torch.uint8, device="cuda"),
-                    torch.empty(tokens // 32, heads, 192, dtype=torch.uint8, device="cuda"))
-            for cfg in mla_q_gluon.CONFIGS:
-                t_g = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="gluon", config=cfg))
-                t_m = ms(lambda: mla_q_gluon.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
-                print(f"T={tokens}: Gluon kernel {cfg}: {t_g:.3f} ms ({t_g / gemm:.2f}x); "
-                      f"its main loop alone {t_m:.3f} ms ({t_m / gemm:.2f}x)")
-                if os.environ.get("PARTS_WS") == "1":  # the warp-specialized kernel: first runs, so opt-in
-                    t_w = ms(lambda: tq.mla_q_forward_launch(x, w, cos, sin, variant="gluon_ws", config=cfg))
-                    print(f"T={tokens}: Gluon warp-specialized kernel {cfg}: {t_w:.3f} ms ({t_w / gemm:.2f}x)")
-        except Exception as exc:  # noqa: BLE001 - report and go on with the Triton parts
-            print(f"T={tokens}: Gluon kernel failed: {type(exc).__name__}: {str(exc)[:300]}")
         tuner = tq._fwd_tma_tuned[False]
         chosen = next(iter(tuner.cache.values()), None) if getattr(tuner, "cache", None) else None
         print(f"T={tokens}: cuBLAS bf16 GEMM {gemm:.3f} ms; autotuned fused op {tuned:.3f} ms "
@@ -119,8 +100,7 @@ def mla_q_parts(token_list) -> None:
 
 
 def mla_q_by_k(tokens: int = 16384) -> None:
-    """The Gluon fused forward (plain and warp-specialized) and its main loop alone, against cuBLAS,
-    as K shrinks from DeepSeek's 1536 to 64: at K = 64 the main loop is one step, so the time is the
+    """The Gluon fused forward (the warp-specialized kernels, per config) against cuBLAS, as K shrinks from DeepSeek's 1536 to 64: at K = 64 the main loop is one step, so the time is the
     epilogue's (plus launch and tails), which says whether the epilogue or the main loop sets the
     pace of the ping-pong kernel."""
     import triton
@@ -143,10 +123,6 @@ def mla_q_by_k(tokens: int = 16384) -> None:
         w = (torch.randn(heads * 192, k, device="cuda", generator=g) / 40).to(torch.bfloat16)
         gemm = ms(lambda: torch.matmul(x, w.t()))
         row = {}
-        for cfg in qg.CONFIGS:
-            tag = f"G{cfg['GROUP_M']}"
-            row[f"plain {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg))
-            row[f"plain mainloop {tag}"] = ms(lambda: qg.launch(x, w, cos, sin, *outs, config=cfg, mainloop_only=True))
         for variant, table in (("gluon_ws", qg.WS_CONFIGS), ("gluon_ws128", qg.WS128_CONFIGS)):
             for cfg in table:
                 tag = f"BK{cfg['BLOCK_K']} S{cfg['STAGES']} G{cfg['GROUP_M']}"
@@ -417,68 +393,10 @@ def gemm_gluon_launch(tokens: int = 4096) -> None:
     torch.cuda.synchronize()
 
 
-def mla_q_mx(token_list) -> None:
-    """The fused forward with an MXFP8 projection (DeepSeek-V3 widths): gluon_mx per config and register
-    split (op, and kernel alone), the dequantized gluon_ws128 route, and the bf16 cuBLAS GEMM, timed in
-    turns (3 rounds, medians of do_bench); first each gluon_mx config's bytes against the dequantized
-    route's and its guard flag on this data."""
-    import triton
-
-    from backends.triton import mla_q as mq
-    from backends.triton import mla_q_mx_gluon as qm
-
-    def ms(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-    splits = [qm.REGS] + [r for r in ((200, 112),) if r != qm.REGS]
-    for tokens in token_list:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        x, w, xm, wm = _gemm_inputs(tokens, g)
-        angle = torch.rand(tokens, 64, generator=g).cuda()
-        cos, sin = torch.cos(angle), torch.sin(angle)
-        ref = mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_ws128")
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        x16 = mq._mx_bf16(xm, flag)
-        ws, swr, swc, groups, swz = mq._scale_args(wm)
-        heads = w.shape[0] // 192
-        outs = [torch.empty((tokens, heads, 192), dtype=torch.uint8, device="cuda"),
-                torch.empty((tokens, heads, 6), dtype=torch.uint8, device="cuda"),
-                torch.empty((tokens, heads, 192), dtype=torch.uint8, device="cuda"),
-                torch.empty((tokens // 32, heads, 192), dtype=torch.uint8, device="cuda")]
-
-        def kernel(cfg, regs, skip=False):
-            qm.REGS = regs
-            qm.launch(x16, wm.data.view(torch.uint8), ws, (swr, swc), groups, swz, False, (10, 246), cos, sin,
-                      *outs, flag, config=cfg, epilogue_skip=skip)
-
-        fns = {"cuBLAS bf16": lambda: torch.matmul(x, w.t()),
-               "ws128 route (dequantized)": lambda: mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_ws128"),
-               "gluon_mx op": lambda: mq.mla_q_forward_launch(xm, wm, cos, sin, variant="gluon_mx")}
-        for regs in splits:
-            for cfg in qm.CONFIGS if regs == qm.REGS else qm.CONFIGS[:1]:
-                for o in outs:
-                    o.fill_(0xFF)
-                flag.zero_()
-                kernel(cfg, regs)
-                torch.cuda.synchronize()
-                same = [float((o == r.view(torch.uint8)).float().mean()) for o, r in
-                        zip(outs, (ref[0].data.view(torch.uint8), ref[0].scale, ref[1].data.view(torch.uint8),
-                                   ref[1].scale))]
-                tag = f"{'/'.join(map(str, regs))} " + " ".join(f"{k}={v}" for k, v in cfg.items())
-                print(f"check T={tokens} {tag}: flag {int(flag.item())}, bytes equal to the ws128 route "
-                      f"(row codes, row scales, col codes, col scales) {', '.join(f'{v:.6f}' for v in same)}")
-                fns[f"gluon_mx kernel {tag}"] = lambda c=cfg, r=regs: kernel(c, r)
-        for cfg in qm.CONFIGS[:3:2]:
-            tag = " ".join(f"{k}={v}" for k, v in cfg.items())
-            fns[f"gluon_mx main loop + staging only {tag}"] = lambda c=cfg: kernel(c, splits[0], skip=True)
-        qm.REGS = splits[0]
-        _in_turns(fns, ms, f"T={tokens}", width=58)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("case", choices=["mla_q", "host", "mla_q_parts", "cudnn_host", "attn_dequant", "mla_q_by_k",
-                                       "attn_fwd_configs", "gemm_gluon", "gemm_gluon_launch", "mla_q_mx"])
+                                       "attn_fwd_configs", "gemm_gluon", "gemm_gluon_launch"])
     ap.add_argument("--tokens", type=str, help="token count (mla_q_parts: a comma list)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -497,8 +415,6 @@ def main() -> None:
         attn_fwd_configs(int(args.tokens or 4096))
     elif args.case == "attn_dequant":
         attn_dequant(int(args.tokens or 4096))
-    elif args.case == "mla_q_mx":
-        mla_q_mx([int(t) for t in (args.tokens or "4096,16384").split(",")])
     elif args.case == "mla_q_parts":
         mla_q_parts([int(t) for t in (args.tokens or "4096,16384").split(",")])
     else:

@@ -35,8 +35,6 @@ def cases():
     x128, w128 = randn(128, 256), randn(H * 192, 256)
     cos128, sin128 = randn(128, 64, dtype=torch.float32), randn(128, 64, dtype=torch.float32)
     if not triton_mla_q.gluon_reasons(x128, w128):
-        yield "mla_q_uproj_rope_quant (Gluon sm90 kernel)", lambda: triton_mla_q.mla_q_forward_launch(
-            x128, w128, cos128, sin128, variant="gluon")
         yield "mla_q_uproj_rope_quant (Gluon warp-specialized)", lambda: triton_mla_q.mla_q_forward_launch(
             x128, w128, cos128, sin128, variant="gluon_ws")
         yield "mla_q_uproj_rope_quant (Gluon warp-specialized, 128-token tiles)", \

@@ -1,4 +1,4 @@
-"""The e4m3 scale-byte and code helpers of the Gluon fused-Q kernels (mla_q_gluon.py, mla_q_mx_gluon.py).
+"""The e4m3 scale-byte and code helpers of the Gluon fused-Q kernels (mla_q_gluon.py).
 
 They restate _mxfp8's (same constants, same operations): Gluon cannot call those triton.jit functions,
 whose tl.full carries no layout.

@@ -1,7 +1,6 @@
-"""The sm90 widened-operand main loop that two Gluon kernels share: the MXFP8 GEMM's "gluon" route
-(gemm_gluon.py) and the fused MLA Q forward's MXFP8-projection kernel (mla_q_mx_gluon.py).
+"""The sm90 widened-operand main loop of the MXFP8 GEMM's "gluon" route (gemm_gluon.py).
 
-Both compute out^T tiles, TILE_B rows of b (features: the weight) by TILE_A rows of a (tokens): only
+It computes out^T tiles, TILE_B rows of b (features: the weight) by TILE_A rows of a (tokens): only
 wgmma's A operand can come from registers, and the operand held as e4m3 / e5m2 codes is the weight.
 A program is persistent (one per SM) with one TMA producer warp (`producer`) filling a ring of STAGES
 slots, each a [TILE_A, BLOCK_K] bf16 tile of a and a [TILE_B, BLOCK_K] tile of b's codes, and two
@@ -65,24 +64,6 @@ def producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
             async_load(a_desc, [pid_m * TILE_A, kk * BLOCK_K], ready.index(s), a_ring.index(s))
             async_load(b_desc, [pid_n * TILE_B, kk * BLOCK_K], ready.index(s), b_ring.index(s))
             c += 1
-
-
-@gluon.jit
-def issue_load(g, a_desc, b_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps, total,
-               BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """The producer's load of this program's ring step g (k-step g % k_steps of its tile g // k_steps),
-    issued by a consumer warpgroup (mainloop with PRODUCE) once the step STAGES earlier has left its
-    slot; nothing past the program's last step (total)."""
-    nbytes: gl.constexpr = (TILE_A * 2 + TILE_B) * BLOCK_K
-    if g < total:
-        j = g // k_steps
-        kk = g - j * k_steps
-        pid_m, pid_n = tile_coords(gl.program_id(0) + j * gl.num_programs(0), num_m, num_n, GROUP_M)
-        s = g % STAGES
-        mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        async_load(a_desc, [pid_m * TILE_A, kk * BLOCK_K], ready.index(s), a_ring.index(s))
-        async_load(b_desc, [pid_n * TILE_B, kk * BLOCK_K], ready.index(s), b_ring.index(s))
 
 
 @gluon.jit
@@ -152,14 +133,10 @@ def _unsafe(s0, s1, LO: gl.constexpr, HI: gl.constexpr):
 @gluon.jit
 def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad, K, stride_sc,
              SWIZZLED: gl.constexpr, IS_E5M2: gl.constexpr, LO: gl.constexpr, HI: gl.constexpr,
-             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, ODD_STEPS: gl.constexpr,
-             PRODUCE: gl.constexpr = 0, a_desc=None, b_desc=None, num_m=0, num_n=0, total=0,
-             GROUP_M: gl.constexpr = 1):
+             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, ODD_STEPS: gl.constexpr):
     """One tile's main loop for consumer warpgroup CID: out^T [64, TILE_A] (fp32, the wgmma accumulator
     layout) of its 64 b rows (scale row pointers srow, in range sok) against the tile's TILE_A a rows,
-    from ring slot c on. Returns (acc, bad | the rows' scale bytes outside [LO, HI], c past the tile).
-    PRODUCE: this warpgroup also fills the ring (issue_load of step j + STAGES once step j is freed;
-    the caller issued the first STAGES), in place of a producer warp."""
+    from ring slot c on. Returns (acc, bad | the rows' scale bytes outside [LO, HI], c past the tile)."""
     k_steps = gl.cdiv(K, BLOCK_K)
     KB = K // 32
     s0, s1 = load_scales(srow, sok, 0, KB, stride_sc, BLOCK_K, SWIZZLED)
@@ -195,9 +172,6 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
         mbarrier.arrive(empty.index(c % STAGES))
-        if PRODUCE:
-            issue_load(c + STAGES, a_desc, b_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps, total,
-                       BLOCK_K, STAGES, GROUP_M)
     for kk in range(first, k_steps, 2):
         s = (c + kk) % STAGES
         bad |= _unsafe(s0, s1, LO, HI)
@@ -207,9 +181,6 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         acc = warpgroup_mma(w, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w2 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w2))
         mbarrier.arrive(empty.index((c + kk - 1) % STAGES))
-        if PRODUCE:
-            issue_load(c + kk - 1 + STAGES, a_desc, b_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps,
-                       total, BLOCK_K, STAGES, GROUP_M)
         s = (c + kk + 1) % STAGES
         bad |= _unsafe(s0, s1, LO, HI)
         mbarrier.wait(ready.index(s), ((c + kk + 1) // STAGES) & 1)
@@ -218,14 +189,8 @@ def mainloop(CID: gl.constexpr, a_ring, b_ring, ready, empty, c, srow, sok, bad,
         acc = warpgroup_mma(w2, a_ring.index(s).permute((1, 0)), acc, is_async=True)
         acc, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w))
         mbarrier.arrive(empty.index((c + kk) % STAGES))
-        if PRODUCE:
-            issue_load(c + kk + STAGES, a_desc, b_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps, total,
-                       BLOCK_K, STAGES, GROUP_M)
     acc, w, w2 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w, w2))
     mbarrier.arrive(empty.index((c + k_steps - 1) % STAGES))
-    if PRODUCE:
-        issue_load(c + k_steps - 1 + STAGES, a_desc, b_desc, a_ring, b_ring, ready, empty, num_m, num_n, k_steps,
-                   total, BLOCK_K, STAGES, GROUP_M)
     return acc, bad, c + k_steps
 
 

@@ -29,7 +29,7 @@ in 128 fp32 registers a thread). A ring of STAGES x (32 KB of a + 8 KB of codes)
 epilogue tiles. Step k's codes are widened while step k - 1's MMA runs, through two A register sets
 used alternately in a loop unrolled by two (a loop-carried swap moved registers an MMA in flight
 reads, and ptxas serialized the wgmma; so did a third set with wait(2): ptxas C7513). The producer and the main
-loop live in _gluon_mx.py, shared with the fused forward's MXFP8-projection kernel (mla_q_mx_gluon.py).
+loop live in _gluon_mx.py.
 
 Measured (H200, 2026-11-30, BENCHMARKS.md; `tools/profile_cases.py gemm_gluon` and `bench_gemm.py`, in
 turns with cuBLAS): the route **1.013x** the bf16 cuBLAS GEMM (0.4462 vs 0.4519 ms), the kernel alone

@@ -7,9 +7,9 @@ Forward: ONE kernel, `mla_q_uproj_rope_quant(x, w, cos, sin) -> (q_row, q_col)`
   `mla_q_uproj_rope_quant=triton:<variant>` or dispatch.run(..., variant=...)), all the same arithmetic:
   - gluon_ws128 (first choice): mla_q_gluon.py's persistent warp-specialized kernel on 128-token tiles,
     sm90, Triton 3.6 / 3.9, T % 128 == 0 (H200: 1.12x the cuBLAS GEMM at T = 4096 and 16384);
-  - gluon_ws: its 64-token form (T % 64 == 0; 1.22-1.24x); gluon: one 64-token tile per program
-    (named only). An MXFP8 projection runs them on its guarded exact bf16 dequantization
-    (_launch_gluon_dequantized; the gated MXFP8 pointer kernel is the exact fallback);
+  - gluon_ws: its 64-token form (T % 64 == 0; 1.22-1.24x). An MXFP8 projection runs both on its
+    guarded exact bf16 dequantization (_launch_gluon_dequantized; the gated MXFP8 pointer kernel is the
+    exact fallback);
   - tma: `_mla_q_fwd_tma_kernel`, sm90+ (or the interpreter) with TMA-addressable x and w: x [BM, BK],
     the head's no-RoPE rows [128, BK] and RoPE rows [64, BK] as TMA boxes, zero-filled past T and K;
   - pointer: `_mla_q_fwd_kernel` (cp.async pointer loads; any strides; sm80/89 too): serves every call.
@@ -584,16 +584,12 @@ def gluon_reasons(x, w) -> List[str]:
 # forward kernel variants: registry entries (backends/registry.py), each with its reasons and priority
 # --------------------------------------------------------------------------------------------------
 FORWARD_OP = "mla_q_uproj_rope_quant"
-GLUON_VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")
+GLUON_VARIANTS = ("gluon_ws", "gluon_ws128")
 # Priority: the automatic choice takes the highest whose reasons are empty. On the H200 (2026-11-30,
 # bench_mla_q.py --quick) the warp-specialized 128-token kernel ran 1.12x the cuBLAS GEMM at T = 4096
-# and 16384, its 64-token form 1.22-1.24x; the one-tile Gluon kernel is for naming only (0: below the
-# pointer kernel, which serves every call).
-# gluon_mx (mla_q_mx_gluon.py: the MXFP8 projection with the weight's codes widened in registers, no bf16
-# copy in memory; its reasons refuse bf16 operands) is named only: on the H200 (2026-12-03) it ran 1.55-1.66x
-# the cuBLAS GEMM at T = 4096 and 1.49-1.53x at 16384, against 1.20-1.23x / 1.08-1.11x for gluon_ws128 on
-# the exact dequantization (mla_q_mx_gluon.py has the figures).
-FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10, "gluon": 0, "gluon_mx": 0}
+# and 16384, its 64-token form 1.22-1.24x; the TMA kernel serves sm90+ where the Gluon kernels refuse,
+# the pointer kernel every call.
+FORWARD_VARIANTS = {"gluon_ws128": 40, "gluon_ws": 30, "tma": 20, "pointer": 10}
 
 
 def _gluon_variant_reasons(variant, x, w) -> List[str]:
@@ -616,22 +612,8 @@ def _tma_reasons(x, w) -> List[str]:
     return reasons
 
 
-def _gluon_mx_reasons(x, w) -> List[str]:
-    """gluon_reasons, plus what the widened-weight kernel needs (mla_q_mx_gluon.reasons)."""
-    if not (isinstance(x, MXTensor) and isinstance(w, MXTensor)):
-        return ["gluon_mx is the MXFP8 projection's kernel: x and w must be MXTensors"]
-    reasons = gluon_reasons(x, w)
-    if reasons:
-        return reasons
-    from . import mla_q_mx_gluon
-
-    return mla_q_mx_gluon.reasons(tuple(x.data.shape), w.data, w.axis, w.data.shape[0] // _HEAD)
-
-
 def forward_variant_reasons(variant, x, w) -> List[str]:
     """Why forward kernel `variant` cannot run on x, w (empty: it can)."""
-    if variant == "gluon_mx":
-        return _gluon_mx_reasons(x, w)
     if variant in GLUON_VARIANTS:
         return _gluon_variant_reasons(variant, x, w)
     if variant == "tma":
@@ -694,9 +676,6 @@ def mla_q_forward_launch(x, w, cos, sin, config=None, variant=None, epilogue="fu
     if reasons:  # a named kernel runs or raises: never another one in its place
         raise ValueError(f"variant={variant!r} cannot run here: " + "; ".join(reasons))
     cos, sin = _unit_last(cos), _unit_last(sin)
-    if variant == "gluon_mx":
-        _launch_gluon_mx(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config)
-        return q_row, q_col
     if variant in GLUON_VARIANTS:
         from . import mla_q_gluon
 
@@ -723,23 +702,6 @@ def _launch_gluon_dequantized(x, w, cos, sin, row_codes, row_scale, col_codes, c
     w16, flag, (x16,) = _weight_bf16(w, also=(x,))  # one launch for both (host time: one launch less)
     mla_q_gluon.launch(x16, w16, cos, sin, row_codes.view(torch.uint8), row_scale, col_codes.view(torch.uint8),
                        col_scale, config=config, variant=variant)
-    cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
-    cfg["ROPE_SPLIT"] = True
-    _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)
-
-
-def _launch_gluon_mx(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config):
-    """The MXFP8 projection on mla_q_mx_gluon's kernel: x dequantized to bf16 by the guarded flat pass,
-    the weight's codes widened in the kernel's registers (guarded there); the gated MXFP8 pointer kernel
-    recomputes everything when the guard was raised (as _launch_gluon_dequantized)."""
-    from . import mla_q_mx_gluon
-
-    flag = torch.zeros(1, dtype=torch.int32, device=x.data.device)
-    x16 = _mx_bf16(x, flag)
-    ws, swr, swc, w_groups, w_swz = _scale_args(w)
-    mla_q_mx_gluon.launch(x16, w.data.view(torch.uint8), ws, (swr, swc), w_groups, w_swz, w.elem == "e5m2",
-                          BF16_SAFE_SCALE_BYTES[w.elem], cos, sin, row_codes.view(torch.uint8), row_scale,
-                          col_codes.view(torch.uint8), col_scale, flag, config=config)
     cfg = _interpret_config() if interpret_mode() else dict(_FWD_DEFAULT[True])
     cfg["ROPE_SPLIT"] = True
     _launch_triton(x, w, cos, sin, (row_codes, row_scale, col_codes, col_scale), cfg, "pointer", "full", gate=flag)

@@ -20,10 +20,7 @@ tile back from shared memory in a layout where its blocks are thread-local:
 - codes leave through shared memory and TMA stores (four boxes per tile, the no-RoPE two before the
   RoPE work), scales by plain stores.
 
-Three kernels share that epilogue (_epilogue / _epilogue_staged, _epilogue_buffers):
-- `gluon`: one 64-token x one-head tile per program, one warpgroup (4 warps); the main loop is a
-  STAGES-deep TMA ring with mbarriers and async wgmma (N = 128 and N = 64 per K step); ~98 KB of
-  shared memory, so two programs share an SM and one's epilogue overlaps the other's main loop.
+Two kernels share that epilogue (_epilogue / _epilogue_staged, _epilogue_buffers):
 - `gluon_ws`: persistent, one program per SM, warp-specialized: a TMA producer warp and two consumer
   warpgroups that take alternate 64-token tiles from one 4-stage ring, each with its own 48 KB of
   epilogue buffers, taking turns on the main loop so one's epilogue runs under the other's MMAs.
@@ -33,13 +30,12 @@ Three kernels share that epilogue (_epilogue / _epilogue_staged, _epilogue_buffe
   the same alternation as the main loop, which leaves a 3 x 40 KB ring (221.8 KB in all).
 
 Measured (H200, 2026-11-30, BENCHMARKS.md): `gluon_ws128` 1.12x the cuBLAS GEMM at T = 4096 and
-16384 (timed in turns with it), `gluon_ws` 1.22-1.24x, `gluon` 1.32-1.34x, the Triton TMA kernel
-1.70-1.76x.
+16384 (timed in turns with it), `gluon_ws` 1.22-1.24x, the Triton TMA kernel 1.70-1.76x.
 
 Scope: bf16 x and w (an MXFP8 projection reaches them as its exact bf16 dequantization,
 mla_q._launch_gluon_dequantized), T % 64 == 0, K % 8 == 0,
 sm90 (wgmma), Triton 3.6 or 3.9 (the API differences behind _gluon_compat.py). Registered as the variants
-gluon, gluon_ws and gluon_ws128 of mla_q.FORWARD_VARIANTS; the conformance suite compares its bytes
+gluon_ws and gluon_ws128 of mla_q.FORWARD_VARIANTS; the conformance suite compares its bytes
 with spec and with the other variants.
 """
 from __future__ import annotations
@@ -189,78 +185,6 @@ def _epilogue_buffers(row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc
             gl.allocate_shared_memory(gl.uint8, [BM, 128], col_nope_desc.layout),
             gl.allocate_shared_memory(gl.uint8, [BM, 64], col_rope_desc.layout),
             reinterpret(nope_smem, gl.float32, [BM, 64], tile32))
-
-
-@gluon.jit
-def _mla_q_fwd_gluon_kernel(
-    x_desc, wn_desc, wr_desc, cos_ptr, sin_ptr,
-    row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, row_scale_ptr, col_scale_ptr,
-    T, K, H, stride_cos, stride_sin,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, MAINLOOP_ONLY: gl.constexpr = False,
-):
-    BM: gl.constexpr = 64
-    NOPE: gl.constexpr = 128
-    ROPE: gl.constexpr = 64
-    HEAD: gl.constexpr = 192
-
-    pid_m, head = tile_coords(gl.program_id(0), gl.cdiv(T, BM), H, GROUP_M)
-    m0 = pid_m * BM
-    n0 = head * HEAD
-
-    # ---- main loop: TMA ring + async wgmma ----
-    x_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BLOCK_K], x_desc.layout)
-    wn_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, NOPE, BLOCK_K], wn_desc.layout)
-    wr_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, ROPE, BLOCK_K], wr_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(STAGES):
-        mbarrier.init(ready.index(j), count=1)
-    nbytes: gl.constexpr = (BM + NOPE + ROPE) * BLOCK_K * 2
-    k_steps = gl.cdiv(K, BLOCK_K)
-    for j in gl.static_range(STAGES - 1):
-        pred = j < k_steps
-        mbarrier.expect(ready.index(j), nbytes, pred=pred)
-        async_load(x_desc, [m0, j * BLOCK_K], ready.index(j), x_ring.index(j), pred=pred)
-        async_load(wn_desc, [n0, j * BLOCK_K], ready.index(j), wn_ring.index(j), pred=pred)
-        async_load(wr_desc, [n0 + NOPE, j * BLOCK_K], ready.index(j), wr_ring.index(j),
-                                        pred=pred)
-
-    mma_nope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NOPE, 16])
-    mma_rope: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROPE, 16])
-    acc_nope = gl.zeros([BM, NOPE], gl.float32, mma_nope)
-    acc_rope = gl.zeros([BM, ROPE], gl.float32, mma_rope)
-    for i in range(k_steps):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        acc_nope = warpgroup_mma(x_ring.index(s), wn_ring.index(s).permute((1, 0)), acc_nope, is_async=True)
-        acc_rope = warpgroup_mma(x_ring.index(s), wr_ring.index(s).permute((1, 0)), acc_rope, is_async=True)
-        # leaves step i's two MMAs in flight: step i - 1's slot is free for the load STAGES - 1 ahead
-        acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=2, deps=(acc_nope, acc_rope))
-        nxt = i + STAGES - 1
-        pred = nxt < k_steps
-        ns = nxt % STAGES
-        mbarrier.expect(ready.index(ns), nbytes, pred=pred)
-        async_load(x_desc, [m0, nxt * BLOCK_K], ready.index(ns), x_ring.index(ns), pred=pred)
-        async_load(wn_desc, [n0, nxt * BLOCK_K], ready.index(ns), wn_ring.index(ns), pred=pred)
-        async_load(wr_desc, [n0 + NOPE, nxt * BLOCK_K], ready.index(ns), wr_ring.index(ns),
-                                        pred=pred)
-    acc_nope, acc_rope = warpgroup_mma_wait(num_outstanding=0, deps=(acc_nope, acc_rope))
-    for j in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(j))
-
-    if MAINLOOP_ONLY:  # profiling: the main loop alone (a store no launch takes keeps the MMAs alive)
-        if T < 0:
-            sink = gl.sum(acc_nope, axis=1) + gl.sum(gl.convert_layout(acc_rope, mma_nope, assert_trivial=False), axis=1)
-            gl.store(row_scale_ptr.to(gl.pointer_type(gl.float32)) + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_nope)),
-                     sink)
-        return
-
-    # ---- epilogue: bf16 staging through shared memory, each quantization in its own layout ----
-    nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32 = _epilogue_buffers(
-        row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc)
-    _epilogue(acc_nope, acc_rope, nope_smem, rope_smem, row_nope, row_rope, col_nope, col_rope, rope_f32,
-              row_nope_desc, row_rope_desc, col_nope_desc, col_rope_desc, cos_ptr, sin_ptr, row_scale_ptr,
-              col_scale_ptr, m0, n0, pid_m, head, H, stride_cos, stride_sin)
-    tma.store_wait(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -510,9 +434,6 @@ def _mla_q_fwd_gluon_ws128_kernel(
 # --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
-# H200 (tools/profile_cases.py mla_q_parts): GROUP_M 64 > 32 > 16 > 8 (main loop 1.10-1.13x cuBLAS at 64,
-# 1.33x at 8: the group's x tiles stay in L2 while 64 / 2 heads' w stream); 3 stages > 2.
-CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=64), dict(BLOCK_K=64, STAGES=3, GROUP_M=32))
 # The warp-specialized kernel is one program per SM, so its ring alone hides the load latency (ncu, K 1536,
 # 3 stages: the consumers' main loops waited on `ready` a third of the time): 4 stages of 64 or 8 of 32.
 WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8, GROUP_M=32),
@@ -522,7 +443,7 @@ WS_CONFIGS = (dict(BLOCK_K=64, STAGES=4, GROUP_M=32), dict(BLOCK_K=32, STAGES=8,
 # H200 (mla_q_by_k, T = 16384): G16 and G32 within noise, G8 ~2 % slower, G4 (dropped) ~7 %, BLOCK_K 32 ~7 %.
 WS128_CONFIGS = (dict(BLOCK_K=64, STAGES=3, GROUP_M=16), dict(BLOCK_K=32, STAGES=6, GROUP_M=16),
                  dict(BLOCK_K=64, STAGES=3, GROUP_M=32), dict(BLOCK_K=64, STAGES=3, GROUP_M=8))
-VARIANTS = ("gluon", "gluon_ws", "gluon_ws128")  # the names mla_q.FORWARD_VARIANTS registers
+VARIANTS = ("gluon_ws", "gluon_ws128")  # the names mla_q.FORWARD_VARIANTS registers
 
 
 
@@ -558,18 +479,17 @@ def _desc(t, block):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype == torch.bfloat16))
 
 
-def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, mainloop_only=False,
-           variant="gluon"):
+def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=None, variant="gluon_ws"):
     """Fill the four outputs (codes [T, H, 192] uint8 views, row scales [T, H, 6], column scales
-    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. variant: "gluon" (one 64-token tile per
-    program, CONFIGS), "gluon_ws" (persistent producer / ping-pong consumers, WS_CONFIGS) or
-    "gluon_ws128" (the same with 128-token tiles, WS128_CONFIGS; T % 128 == 0)."""
+    [T / 32, H, 192]) for bf16 x [T, K], w [H * 192, K]. variant: "gluon_ws" (persistent producer /
+    ping-pong consumers, WS_CONFIGS) or "gluon_ws128" (the same with 128-token tiles, WS128_CONFIGS;
+    T % 128 == 0)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
-    table = {"gluon": CONFIGS, "gluon_ws": WS_CONFIGS, "gluon_ws128": WS128_CONFIGS}[variant]
+    table = {"gluon_ws": WS_CONFIGS, "gluon_ws128": WS128_CONFIGS}[variant]
     cfg = dict(table[0] if config is None else config)
-    if set(cfg) != set(CONFIGS[0]):
-        raise ValueError(f"config: the Gluon kernel takes keys {sorted(CONFIGS[0])}, got {sorted(cfg)}")
+    if set(cfg) != set(WS_CONFIGS[0]):
+        raise ValueError(f"config: the Gluon kernel takes keys {sorted(WS_CONFIGS[0])}, got {sorted(cfg)}")
     if variant == "gluon_ws128" and x.shape[0] % 128:
         raise ValueError(f"x: variant 'gluon_ws128' needs tokens % 128 == 0, got {x.shape[0]}")
     tokens, k = x.shape
@@ -582,18 +502,11 @@ def launch(x, w, cos, sin, row_codes, row_scale, col_codes, col_scale, config=No
             _desc(cc2, [BLOCK_M, _ROPE]), row_scale, col_scale,
             tokens, k, heads, cos.stride(0), sin.stride(0))
     tiles = cdiv(tokens, BLOCK_M) * heads
-    if variant != "gluon":
-        if mainloop_only:
-            raise ValueError("mainloop_only: the warp-specialized kernels have no main-loop-only mode")
-        sms = sm_count(x.device)
-        kernel = _mla_q_fwd_gluon_ws_kernel
-        if variant == "gluon_ws128":
-            kernel, tiles = _mla_q_fwd_gluon_ws128_kernel, tiles // 2
-        fast_launch(kernel, (min(sms, tiles),), *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-                    num_warps=NUM_WARPS, enable_fp_fusion=False)
-        return
-    fast_launch(_mla_q_fwd_gluon_kernel, (tiles,), *args, BLOCK_K=bk, STAGES=cfg["STAGES"], GROUP_M=cfg["GROUP_M"],
-                MAINLOOP_ONLY=mainloop_only, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    kernel = _mla_q_fwd_gluon_ws_kernel
+    if variant == "gluon_ws128":
+        kernel, tiles = _mla_q_fwd_gluon_ws128_kernel, tiles // 2
+    fast_launch(kernel, (min(sm_count(x.device), tiles),), *args, BLOCK_K=bk, STAGES=cfg["STAGES"],
+                GROUP_M=cfg["GROUP_M"], num_warps=NUM_WARPS, enable_fp_fusion=False)
 
 
 settle_cache_keys(globals())  # before a compile-ahead thread can hash these kernels (_common)

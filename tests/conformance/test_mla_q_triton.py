@@ -83,7 +83,7 @@ def _pinned(device, block_m, block_k, split, kind):
 
 
 def _variant_or_skip(device, variant, kind="bf16"):
-    """Skip a Gluon case ("gluon", "gluon_ws", "gluon_ws128") where the Gluon kernels do not run (CPU / interpreter,
+    """Skip a Gluon case ("gluon_ws", "gluon_ws128") where the Gluon kernels do not run (CPU / interpreter,
     not sm90). An MXFP8 projection runs them on its guarded bf16 dequantization."""
     if not variant.startswith("gluon"):
         return
@@ -98,23 +98,23 @@ def _variant_or_skip(device, variant, kind="bf16"):
 
 
 @pytest.mark.parametrize("shape", [(64, 64, 1), (128, 96, 3), (192, 1536, 4)], ids=lambda s: "T{}K{}H{}".format(*s))
-def test_forward_gluon_exact_bytes(triton_target, mla, shape):
-    # The Gluon sm90 kernel: 64-token tiles, K tails (96 with 64-wide steps), several heads, fp32 and
-    # bf16 tables; every output buffer poisoned.
+def test_forward_gluon_tables_exact_bytes(triton_target, mla, shape):
+    # The 64-token Gluon sm90 kernel: K tails (96 with 64-wide steps), several heads, fp32 and bf16
+    # tables; every output buffer poisoned.
     device = triton_target[1]
-    _variant_or_skip(device, "gluon")
+    _variant_or_skip(device, "gluon_ws")
     tokens, k, heads = shape
     for table in (np.float32, BF16):
         x, w, cos, sin = _exact_inputs(_seed("fwd-gluon", shape, table.__name__), tokens, k, heads, "bf16", table)
         want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
-        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
+        got = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon_ws")
         _check_mx(got[0], want[0], f"q_row ({table.__name__} tables)")
         _check_mx(got[1], want[1], f"q_col ({table.__name__} tables)")
 
 
 # (variant, its configs table in mla_q_gluon, shapes): fewer tiles than SMs, a few per program (one or
 # several per warpgroup: the turn and, for ws128, shared-buffer barriers), K tails, and the DeepSeek
-# width (T = 4096 x 128 heads) against the one-tile kernel
+# width (T = 4096 x 128 heads) against the TMA kernel
 _WS_CASES = [("gluon_ws", "WS_CONFIGS", s) for s in [(64, 64, 1), (128, 96, 3), (192, 1536, 4), (4096, 1536, 128)]]
 _WS_CASES += [("gluon_ws128", "WS128_CONFIGS", s) for s in [(128, 64, 1), (256, 96, 3), (384, 1536, 4),
                                                             (4096, 1536, 128)]]
@@ -129,8 +129,9 @@ def test_forward_gluon_ws_exact_bytes(triton_target, mla, variant, table, shape)
     _variant_or_skip(device, variant)
     tokens, k, heads = shape
     x, w, cos, sin = _exact_inputs(_seed("fwd-" + variant.replace("_", "-"), shape), tokens, k, heads, "bf16")
-    if tokens * heads > 4096:  # spec on the whole DeepSeek width is slow: compare with the Gluon kernel
-        want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="gluon")
+    if tokens * heads > 4096:  # spec on the whole DeepSeek width is slow: compare with the TMA kernel
+        want = mla.mla_q_forward_launch(*_dev((x, w, cos, sin), device), variant="tma",
+                                        config=_pinned(device, 64, 64, True, "bf16"))
     else:
         want = spec.mla_q_uproj_rope_quant(x, w, cos, sin)
     import backends.triton.mla_q_gluon as qg
@@ -200,7 +201,7 @@ def test_forward_strided_x(triton_target, mla, layout):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws", "gluon_ws128"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon_ws", "gluon_ws128"])
 def test_forward_nonfinite_inputs(triton_target, mla, variant):
     # Rows of x holding NaN / +Inf / a huge finite value (q overflows to Inf after bf16 staging), a cos
     # entry NaN: NaN and Inf flow through the GEMM, the staging, RoPE (Inf - Inf, Inf * 0) and both
@@ -224,7 +225,7 @@ def test_forward_nonfinite_inputs(triton_target, mla, variant):
     _check_mx(got[1], want[1], "q_col")
 
 
-@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon", "gluon_ws", "gluon_ws128"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "gluon_ws", "gluon_ws128"])
 @pytest.mark.parametrize("kind", ["bf16", "mxfp8"])
 def test_forward_random_within_bound(triton_target, mla, kind, variant):
     device = triton_target[1]
@@ -357,8 +358,8 @@ def test_gluon_variant_selection_off_gpu(monkeypatch):
                   "compact")
     assert "CUDA only" in mod.gluon_reasons(xm, xm)[0]  # an MXFP8 projection runs them dequantized on CUDA
     assert "must both be bf16 or both MXTensors" in mod.gluon_reasons(xm, x)[0]
-    with pytest.raises(ValueError, match="variant='gluon' cannot run here"):
-        mod.mla_q_forward_launch(x, w, cos, cos, variant="gluon")
+    with pytest.raises(ValueError, match="variant='gluon_ws' cannot run here"):
+        mod.mla_q_forward_launch(x, w, cos, cos, variant="gluon_ws")
 
 
 def test_named_tma_on_operands_tma_cannot_address_raises_never_pointer():
@@ -393,14 +394,14 @@ def test_gluon_ws128_selection_and_arguments(monkeypatch):
     assert mod.forward_variant_reasons("gluon_ws128", fake(256), fake(192)) == []
     assert mod.forward_variant_reasons("gluon_ws128", fake(192), fake(192)) == [
         "gluon_ws128 needs tokens % 128 == 0, got 192"]
-    with pytest.raises(ValueError, match="variant: expected one of gluon_ws128, gluon_ws, tma, pointer, gluon, gluon_mx"):
+    with pytest.raises(ValueError, match="variant: expected one of gluon_ws128, gluon_ws, tma, pointer"):
         mod.forward_variant_reasons("ws128", fake(256), fake(192))
     try:
         import backends.triton.mla_q_gluon as qg
     except ImportError as exc:  # a Triton without Gluon's Hopper API
         pytest.skip(f"Gluon unavailable: {exc}")
     w = torch.zeros((192, 64), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="variant: expected one of gluon, gluon_ws, gluon_ws128, got 'ws128'"):
+    with pytest.raises(ValueError, match="variant: expected one of gluon_ws, gluon_ws128, got 'ws128'"):
         qg.launch(torch.zeros((128, 64), dtype=torch.bfloat16), w, *([None] * 6), variant="ws128")
     with pytest.raises(ValueError, match=r"x: variant 'gluon_ws128' needs tokens % 128 == 0, got 192"):
         qg.launch(torch.zeros((192, 64), dtype=torch.bfloat16), w, *([None] * 6), variant="gluon_ws128")
