@@ -83,7 +83,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
 # Switches that were removed: kernel variants are named in MXMLA_BACKEND's grammar now. Setting one
 # raises (at the next selection) with the replacement, instead of being ignored.
 REMOVED = {
-    "MXMLA_TRITON_GEMM_VARIANT": "name the variant in MXMLA_BACKEND, e.g. MXMLA_BACKEND='mxfp8_gemm=triton:tma'",
+    "MXMLA_TRITON_GEMM_VARIANT": "name the variant in MXMLA_BACKEND, e.g. MXMLA_BACKEND='mxfp8_gemm=triton:bf16'",
     "MXMLA_TRITON_MLA_Q_VARIANT": "name the variant in MXMLA_BACKEND, e.g. "
                                   "MXMLA_BACKEND='mla_q_uproj_rope_quant=triton:gluon_ws128'",
 }

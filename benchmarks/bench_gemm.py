@@ -1,5 +1,5 @@
-"""MXFP8 GEMM (a [M, K], b [N, K] e4m3 MXTensors blocked along K, bf16 out): triton (sm90 TMA and pointer
-kernels, autotuned, the "bf16" route: guarded dequantize to bf16 + one bf16 cuBLAS GEMM, and the "gluon"
+"""MXFP8 GEMM (a [M, K], b [N, K] e4m3 MXTensors blocked along K, bf16 out): triton (the pointer block kernel,
+autotuned, the "bf16" route: guarded dequantize to bf16 + one bf16 cuBLAS GEMM, and the "gluon"
 route: a dequantized to bf16, b's codes widened in a Gluon GEMM's registers; sm100:
 tl.dot_scaled) vs the bf16 GEMM of the same shape (torch.matmul, cuBLAS) vs
 torch._scaled_mm with per-tensor fp8 scales (cuBLAS fp8: the hardware's fp8 rate without block scales,
@@ -79,14 +79,14 @@ def measure():
                     **common, **kw)
 
         ref = None
-        variants = ["dot_scaled"] if triton_gemm.use_dot_scaled(a.data.device) else ["bf16", "tma", "pointer"]
+        variants = ["dot_scaled"] if triton_gemm.use_dot_scaled(a.data.device) else ["bf16", "pointer"]
         if DEVICE == "cuda" and not triton_gemm.gluon_reasons(a, b):
             variants.insert(1, "gluon")
         for variant in variants:
             out = torch.empty(M, N, dtype=torch.bfloat16, device=DEVICE)
             fn = lambda v=variant, o=out: triton_gemm.mxfp8_gemm_tensors(a, b, o, variant=v)  # noqa: E731
             secs = first_call_s(fn)
-            tuner = {"tma": triton_gemm._gemm_tma, "pointer": triton_gemm._gemm_sm90,
+            tuner = {"pointer": triton_gemm._gemm_sm90,
                      "dot_scaled": triton_gemm._gemm_sm100, "bf16": None, "gluon": None}[variant]
             REC.note(f"triton mxfp8_gemm [{variant}] {common['shape']}: first call {secs:.2f} s; "
                      f"pick {getattr(tuner, 'best_config', None) or '(fixed config)'}")

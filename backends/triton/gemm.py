@@ -3,7 +3,7 @@ MXTensors a [M, K], b [N, K] blocked along K (compact or swizzled scales, e4m3 o
 
 Kernel variants (GEMM_VARIANTS, registry entries with their reasons and priorities; the dispatcher
 takes the first that can serve, or the one named in MXMLA_BACKEND `mxfp8_gemm=triton:<variant>` or by
-`variant=`): dot_scaled (sm100+), gluon, bf16, tma, pointer, each described below.
+`variant=`): dot_scaled (sm100+), gluon, bf16, pointer, each described below.
 
 Kernel design
 - sm90 where the Gluon route cannot run (fp32 out, another Triton), the "bf16" route (_launch_bf16):
@@ -21,7 +21,8 @@ Kernel design
   gemm_gluon.py): a dequantized by the same guarded flat pass, b's fp8 codes widened to bf16 in the
   registers of a Gluon warp-specialized GEMM (wgmma with a register A operand), the same gated exact
   fallback; no bf16 copy of b. Its figures against cuBLAS are in gemm_gluon.py and BENCHMARKS.md.
-- The block kernels (sm89; sm90 by name): one tensor-core tl.dot per 32-wide K block. For every K block b the
+- The block kernel "pointer" (sm89; sm90 by name, and the gated exact fallback of the gluon and bf16
+  routes): one tensor-core tl.dot per 32-wide K block. For every K block b the
   program issues one dot of the codes from a zero accumulator (exactly one MX block), giving the
   block's partial sum P_b in fp32, and folds it in on the CUDA cores:
       acc = fma(P_b, 2^(sa[m,b]-127) * 2^(sb[n,b]-127), acc)
@@ -42,17 +43,11 @@ Kernel design
   FFMA) at 128 lanes/clk/SM: 2 * 32 / 128 = 1/2048 clk per FMA, exactly the bf16 tensor-core peak.
   So on Hopper an exact MX-block-32 GEMM is bound by the rescale at ~ the bf16 peak, whatever the
   fp8 rate; it can only beat bf16 cuBLAS by the margin by which cuBLAS misses the bf16 peak, and
-  only if the rescale of one warpgroup overlaps the wgmma of the other. Offline sm90 compiles (Triton
-  3.9 + ptxas) of the TMA kernel at 128 x 128 x 64, 8 warps, show 282 SASS instructions per warp per
-  K block (128 of them the FMUL/FFMA floor, the rest TMA/mbarrier bookkeeping, scale-vector shared
-  loads and loop control): ~560 issue cycles per 128 clk of fp8 wgmma, i.e. ~45% of the bf16 peak
-  -- an estimate of ~0.6-0.8x bf16 cuBLAS; measured on the H200 (2026-11-30, BENCHMARKS.md): 0.29x with
-  the fp8 MMA, 0.21x with the fp16-widened dots (native MX on sm100 removes the rescale entirely).
-- Two sm90 kernels: "tma" (default on sm90 when the codes are TMA-addressable) loads the fp8 codes
-  as [BM, 32] / [BN, 32] TMA boxes and the scale factors, pre-expanded by a small kernel to fp32
-  [K/32, rows] vectors (2^(e-127), byte 0 -> 2^-127, 255 -> NaN, zero padded), as [1, BM] / [1, BN]
-  boxes, all through one shared-memory pipeline; "pointer" (any strides, sm89) uses cp.async loads
-  and decodes the scale bytes in the loop.
+  only if the rescale of one warpgroup overlaps the wgmma of the other. A TMA form of this kernel
+  (codes and pre-expanded fp32 scale vectors as TMA boxes) measured 0.29x bf16 cuBLAS on the H200 with
+  the fp8 MMA and 0.21x with the fp16-widened dots (BENCHMARKS.md), so sm90 runs the gluon / bf16
+  routes; native MX on sm100 removes the rescale entirely. The kernel uses cp.async pointer loads (any
+  strides) and decodes the scale bytes in the loop.
 - Scale bytes are read in the kernel from either layout: the swizzled (cuBLAS / F8_128x4) offset of
   S[i, j] is computed from SEMANTICS 3 step 3, so swizzled MXTensors need no unswizzle pass.
 - Grouped program order (GROUP_M tiles of M share each N tile) for L2 reuse; rows/columns past M/N
@@ -196,57 +191,6 @@ def _mxfp8_gemm_tile(
 
 
 # --------------------------------------------------------------------------------------------------
-# sm90 TMA kernel: same arithmetic, tiles by TMA, scales pre-expanded to fp32 [K/32, rows]
-# --------------------------------------------------------------------------------------------------
-@triton.jit
-def _scale_f32_kernel(scale_ptr, out_ptr, R, KB, R_PAD, KB_PAD, stride_row, stride_col, col_groups,
-                      SWIZZLED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KB: tl.constexpr):
-    """out [KB_PAD, R_PAD] fp32 = 2^(S[r, kb] - 127) transposed (S compact or swizzled; byte 0 -> 2^-127,
-    255 -> NaN), zero past R / KB: each K block's scale vector is contiguous for the GEMM, and the
-    GEMM's main loop loads ready fp32 factors with no masks and no byte decoding."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kbs = tl.program_id(1) * BLOCK_KB + tl.arange(0, BLOCK_KB)
-    inside = (rows < R)[:, None] & (kbs < KB)[None, :]
-    e = tl.load(scale_ptr + scale_offsets(rows[:, None], kbs[None, :], stride_row, stride_col, col_groups, SWIZZLED),
-                mask=inside, other=0).to(tl.int32)
-    v = tl.where(inside, scale_value(e), 0.0)
-    tl.store(out_ptr + kbs[None, :] * R_PAD + rows[:, None], v, mask=(rows < R_PAD)[:, None] & (kbs < KB_PAD)[None, :])
-
-
-@triton.jit
-def _mxfp8_gemm_tma_kernel(
-    a_desc, b_desc, sa_desc, sb_desc, c_ptr,
-    M, N, K, M_BUCKET, stride_cm, stride_cn,
-    OUT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, WIDEN_F16: tl.constexpr,
-):
-    """a_desc / b_desc: TMA descriptors of the fp8 codes with [BLOCK_M, 32] / [BLOCK_N, 32] boxes (one MX
-    block; zero fill past M, N, K). sa_desc / sb_desc: TMA descriptors of the fp32 factors
-    [K/32 padded, M_PAD / N_PAD] (zero past K, so a K step past the end adds 0 * 0) with [1, BLOCK_M] /
-    [1, BLOCK_N] boxes: the factors travel through the same shared-memory pipeline as the codes (plain
-    loads would be prefetched num_stages deep into registers and spill)."""
-    pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    m0 = pid_m * BLOCK_M
-    n0 = pid_n * BLOCK_N
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // 32):
-            kk = k0 + j * 32
-            a = a_desc.load([m0, kk])
-            b = b_desc.load([n0, kk])
-            sa = tl.reshape(sa_desc.load([kk // 32, m0]), [BLOCK_M])
-            sb = tl.reshape(sb_desc.load([kk // 32, n0]), [BLOCK_N])
-            partial = mx_block_dot(a, tl.trans(b), WIDEN_F16)  # one MX block, fp32 sum from +0
-            acc = tl.fma(partial, sa[:, None] * sb[None, :], acc)
-    out = round_f32_canonical_nan(acc, OUT_DTYPE)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out, mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-# --------------------------------------------------------------------------------------------------
 # sm100 kernel: tl.dot_scaled (UNVERIFIED on hardware, see module docstring)
 # --------------------------------------------------------------------------------------------------
 @triton.jit
@@ -314,24 +258,6 @@ def _sm90_configs():
     return cfgs
 
 
-def _tma_hook(nargs):
-    """Autotune pre-hook: TMA boxes are one MX block deep and one tile wide."""
-    nargs["a_desc"].block_shape = [nargs["BLOCK_M"], 32]
-    nargs["b_desc"].block_shape = [nargs["BLOCK_N"], 32]
-    nargs["sa_desc"].block_shape = [1, nargs["BLOCK_M"]]
-    nargs["sb_desc"].block_shape = [1, nargs["BLOCK_N"]]
-
-
-def _tma_configs():
-    """Same tiles as _sm90_configs, data by TMA (no address registers in the loop)."""
-    cfgs = []
-    for bm, bn, bk, warps, stages in ((128, 128, 64, 8, 6), (128, 128, 128, 8, 4), (128, 128, 32, 8, 8),
-                                      (64, 128, 128, 4, 4)):
-        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                                  num_warps=warps, num_stages=stages, pre_hook=_tma_hook))
-    return cfgs
-
-
 def _sm100_configs():
     cfgs = []
     for bm, bn, bk, warps, stages in ((128, 128, 128, 4, 4), (128, 256, 128, 8, 3), (128, 128, 256, 8, 3)):
@@ -352,8 +278,6 @@ _gemm_sm100 = triton.autotune(configs=_sm100_configs(), key=_KEY + ["A_FORMAT", 
     triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel))
 _gemm_sm100_fixed = triton.heuristics({"EVEN_K": _even_k})(_mxfp8_gemm_dot_scaled_kernel)
 
-_gemm_tma = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K", "OUT_DTYPE"])(_mxfp8_gemm_tma_kernel)
-_FIXED_TMA = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=6)
 _FIXED_SM90 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 _FIXED_SM100 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
 _INTERPRET = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=1)
@@ -395,9 +319,9 @@ def _tma_ok(t: torch.Tensor) -> bool:
 GEMM_OP = "mxfp8_gemm"
 # Priority (the automatic choice: the highest whose reasons are empty): dot_scaled where native
 # (sm100+); on sm90 the Gluon route (1.013x bf16 cuBLAS on the H200, BENCHMARKS.md), else the bf16
-# route (dequantize, one cuBLAS bf16 GEMM), both with the gated exact fallback; then the TMA and
-# pointer block kernels (sm89: pointer). The interpreter runs bf16, tma and pointer (auto: bf16).
-GEMM_VARIANTS = {"dot_scaled": 50, "gluon": 40, "bf16": 30, "tma": 20, "pointer": 10}
+# route (dequantize, one cuBLAS bf16 GEMM), both with the gated exact fallback; then the pointer
+# block kernel (sm89). The interpreter runs bf16 and pointer (auto: bf16).
+GEMM_VARIANTS = {"dot_scaled": 50, "gluon": 40, "bf16": 30, "pointer": 10}
 
 
 def _tma_ok_launched(t: torch.Tensor) -> bool:
@@ -417,14 +341,11 @@ def gemm_variant_reasons(variant: str, a: MXTensor, b: MXTensor, out_dtype: str 
         return ["tl.dot_scaled is native on sm100+ only"]
     if variant == "gluon":
         return gluon_reasons(a, b, out_dtype)
-    if variant in ("bf16", "tma"):
-        reasons = []
+    if variant == "bf16":
         if device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device) < (9, 0):
             cc = torch.cuda.get_device_capability(device)
-            reasons.append(f"the {variant} route needs compute capability >= 9.0, {device} is {cc[0]}.{cc[1]}")
-        if variant == "tma" and not (_tma_ok_launched(a.data) and _tma_ok_launched(b.data)):
-            reasons.append("a's and b's codes must be TMA-addressable: 16-byte aligned base and rows")
-        return reasons
+            return [f"the bf16 route needs compute capability >= 9.0, {device} is {cc[0]}.{cc[1]}"]
+        return []
     if variant == "pointer":
         return []
     raise ValueError(f"variant: expected one of {', '.join(GEMM_VARIANTS)}, got {variant!r}")
@@ -447,51 +368,8 @@ def gemm_variant(a: MXTensor, b: MXTensor, out_dtype: str = "bfloat16") -> str:
     return "pointer"
 
 
-def scale_factors_f32(t: MXTensor, rows_pad: int, kb_pad: int) -> torch.Tensor:
-    """fp32 [kb_pad, rows_pad]: 2^(e-127) of t's scale bytes transposed, zero padded (_scale_f32_kernel)."""
-    rows, k = t.data.shape
-    kb = k // 32
-    out = torch.empty((kb_pad, rows_pad), dtype=torch.float32, device=t.data.device)
-    if t.scale_layout == "swizzled":
-        srow, scol, groups, swz = 0, 0, -(-kb // 4), True
-    else:
-        srow, scol, groups, swz = t.scale.stride(0), t.scale.stride(1), 0, False
-    block_r, block_kb = 64, 16
-    grid = (cdiv(rows_pad, block_r), cdiv(kb_pad, block_kb))
-    _scale_f32_kernel[grid](t.scale, out, rows, kb, rows_pad, kb_pad, srow, scol, groups, SWIZZLED=swz,
-                            BLOCK_R=block_r, BLOCK_KB=block_kb, num_warps=4)
-    return out
-
-
 def _roundup(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _launch_tma(a: MXTensor, b: MXTensor, out: torch.Tensor, config=None):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    m, k = a.data.shape
-    n = b.data.shape[0]
-    # Pads cover the largest tile of any config (256) and the deepest K step (128).
-    m_pad, n_pad, kb_pad = _roundup(m, 256), _roundup(n, 256), _roundup(k, 128) // 32
-    sa = scale_factors_f32(a, m_pad, kb_pad)
-    sb = scale_factors_f32(b, n_pad, kb_pad)
-    cfg = config or (_INTERPRET if interpret_mode() else (None if autotune_enabled() else _FIXED_TMA))
-    bm, bn = (cfg["BLOCK_M"], cfg["BLOCK_N"]) if cfg else (128, 128)
-    a_desc = TensorDescriptor(a.data, list(a.data.shape), list(a.data.stride()), [bm, 32])
-    b_desc = TensorDescriptor(b.data, list(b.data.shape), list(b.data.stride()), [bn, 32])
-    sa_desc = TensorDescriptor(sa, list(sa.shape), list(sa.stride()), [1, bm])
-    sb_desc = TensorDescriptor(sb, list(sb.shape), list(sb.stride()), [1, bn])
-    out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32
-    args = (a_desc, b_desc, sa_desc, sb_desc, out, m, n, k, m_bucket(m), out.stride(0), out.stride(1))
-    widen = fp8_mma_widened(out.device)
-    if cfg is not None:
-        grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
-        _mxfp8_gemm_tma_kernel[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen, **cfg)
-    else:
-        grid = lambda c: (cdiv(m, c["BLOCK_M"]) * cdiv(n, c["BLOCK_N"]),)  # noqa: E731
-        _gemm_tma[grid](*args, OUT_DTYPE=out_dtype, WIDEN_F16=widen)
-    return out
 
 
 # Scale bytes for which every code of a block dequantizes to a normal bf16 (or zero): e4m3 codes span
@@ -630,8 +508,6 @@ def mxfp8_gemm_tensors(a: MXTensor, b: MXTensor, out: torch.Tensor, variant=None
         return _launch_gluon(a, b, out, config)
     if variant == "bf16":
         return _launch_bf16(a, b, out)
-    if variant == "tma":
-        return _launch_tma(a, b, out, config)
     a_data, a_scale, (sar, sac), a_groups, a_swz = _operand(a)
     b_data, b_scale, (sbr, sbc), b_groups, b_swz = _operand(b)
     out_dtype = tl.bfloat16 if out.dtype == torch.bfloat16 else tl.float32

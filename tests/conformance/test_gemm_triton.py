@@ -1,5 +1,6 @@
-"""Triton mxfp8_gemm cases the shared conformance file does not reach: every route (sm90 "bf16":
-dequantize + bf16 GEMM with its gated exact fallback, the block kernels "tma" and "pointer", and the sm100 tl.dot_scaled kernel, which the interpreter runs for its semantics) at pinned
+"""Triton mxfp8_gemm cases the shared conformance file does not reach: every route (sm90 "gluon" and
+"bf16": dequantize + GEMM with the gated exact fallback, the block kernel "pointer", and the sm100
+tl.dot_scaled kernel, which the interpreter runs for its semantics) at pinned
 tiles with M / N tails and K not a multiple of BLOCK_K, compact / swizzled / transposed-view scales,
 transposed (K-strided) codes, mixed e4m3 x e5m2, non-finite values, and a random-input bound.
 Outputs are allocated poisoned (0xFF) and compared whole.
@@ -26,7 +27,7 @@ from spec.mxtensor import MXTensor  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy under the interpreter: NaN/Inf
 
-VARIANTS = ("gluon", "bf16", "pointer", "tma", "dot_scaled")
+VARIANTS = ("gluon", "bf16", "pointer", "dot_scaled")
 
 
 @pytest.fixture
@@ -54,8 +55,6 @@ def _skip_unsupported(device, variant, out_dtype="bfloat16"):
             pytest.skip("the Gluon GEMM writes bf16 only (float32 out takes the bf16 route)")
     if device == "cuda" and variant == "dot_scaled" and torch.cuda.get_device_capability() < (10, 0):
         pytest.skip("tl.dot_scaled kernel is for sm100+ (emulated elsewhere)")
-    if device == "cuda" and variant == "tma" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("TMA needs sm90+")
 
 
 def _config(device, block_m, block_n, block_k):
@@ -152,7 +151,7 @@ def test_subnormal_codes_bytes(device, gemm, variant, elem):
     a = small_int_operand(rng, 40, 128)
     want = spec.mxfp8_gemm(a, b, "bfloat16")
     got = _run(gemm, a, b, "bfloat16", device, variant, _config(device, 64, 64, 32))
-    if device == "cpu" and elem == "e5m2" and variant in ("pointer", "tma", "dot_scaled"):
+    if device == "cpu" and elem == "e5m2" and variant in ("pointer", "dot_scaled"):
         # Triton's interpreter widens fp8 dot operands to fp16 by normalizing subnormals and clamping the
         # exponent at 0 (runtime/interpreter.py _convert_float), which misreads e5m2 subnormals (they are
         # fp16 subnormals); the GPU's cvt.f16x2.e5m2x2 is exact. Asserted, so a fixed interpreter shows.
@@ -288,14 +287,14 @@ def test_gemm_variant_default(monkeypatch):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_, cc=cc: cc)
             assert mod.gemm_variant(t, t) == want, (cc, gluon_ok)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
-    for named in ("pointer", "tma", "bf16"):
+    for named in ("pointer", "bf16"):
         assert mod.gemm_variant_reasons(named, t, t) == []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 9))
-    assert mod.gemm_variant_reasons("tma", t, t) == ["the tma route needs compute capability >= 9.0, cuda:0 is 8.9"]
+    assert mod.gemm_variant_reasons("bf16", t, t) == ["the bf16 route needs compute capability >= 9.0, cuda:0 is 8.9"]
     assert mod.gemm_variant_reasons("dot_scaled", t, t) == ["tl.dot_scaled is native on sm100+ only"]
     monkeypatch.setattr(mod, "gluon_reasons", lambda a, b, out_dtype="bfloat16": ["needs an sm90 GPU"])
     assert mod.gemm_variant_reasons("gluon", t, t) == ["needs an sm90 GPU"]
-    with pytest.raises(ValueError, match="variant: expected one of dot_scaled, gluon, bf16, tma, pointer"):
+    with pytest.raises(ValueError, match="variant: expected one of dot_scaled, gluon, bf16, pointer"):
         mod.gemm_variant_reasons("fast", t, t)
 
 
@@ -316,7 +315,7 @@ def test_named_gemm_variant_raises_through_dispatch_never_downgrades():
         return  # the variant table below is the interpreter's
     rows = dispatch.explain("mxfp8_gemm", a, b, backend="triton", print_table=False)
     triton_row = next(r for r in rows if r["backend"] == "triton")
-    assert [v["variant"] for v in triton_row["variants"]] == ["dot_scaled", "gluon", "bf16", "tma", "pointer"]
+    assert [v["variant"] for v in triton_row["variants"]] == ["dot_scaled", "gluon", "bf16", "pointer"]
     assert [v["variant"] for v in triton_row["variants"] if v["chosen"]] == ["bf16"]
 
 
@@ -424,7 +423,7 @@ def test_fp8_mma_widening_switch(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["pointer", "tma"])
+@pytest.mark.parametrize("variant", ["pointer"])
 def test_fp8_mma_opt_in_exact_bytes(device, gemm, variant, monkeypatch):
     # The opt-in fp8 MMA still gives spec's bytes on exact-arithmetic data (only its random-input
     # accuracy is weaker); e5m2 Inf / NaN codes included through the specials test's data.
