@@ -50,11 +50,13 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
     Switch("MXMLA_CUDNN_PLAN_CACHE", FLAG, "1", "cudnn: plan_cache (attention graphs)",
            "1: built cuDNN graphs' plans are written to the cache directory and later processes load them "
            "instead of building (hundreds of milliseconds per graph); 0: every process builds its graphs"),
-    Switch("MXMLA_TRITON_AUTOTUNE", FLAG, "1", "triton: gemm, mla_q, attention, quantize, rmsnorm, rope",
-           "1: autotune tiles per shape bucket; 0: one fixed tile per kernel (no timing runs)"),
+    Switch("MXMLA_TRITON_AUTOTUNE", FLAG, "0", "triton: gemm, mla_q, attention, quantize, rmsnorm, rope",
+           "0: no timing runs: each kernel launches a heuristic tile, a function of its shape class "
+           "(backends/triton/tile_choice.py), or the tile recorded for this GPU model at that key; 1: autotune "
+           "tiles per shape bucket (timing runs at the first call of each bucket the recorded table lacks)"),
     Switch("MXMLA_TRITON_PRETUNED", FLAG, "1", "triton: pretuned.py (every autotuned kernel but the gemm's)",
-           "1: autotuners start from the tile choices recorded for this GPU model (backends/triton/pretuned/); "
-           "0: full autotuning"),
+           "1: the tile choices recorded for this GPU model (backends/triton/pretuned/) replace the heuristic's "
+           "at their keys, and with autotuning on spare their timing runs; 0: tables ignored"),
     Switch("MXMLA_TRITON_BACKGROUND_COMPILE", FLAG, "1", "triton: _common.launch_gated (gemm, mla_q)",
            "1: an exact fallback kernel (gated on a device-side guard) compiles in a background thread at its "
            "first call, which meanwhile reads the guard on the host (one synchronisation) and compiles and runs "

@@ -1,5 +1,6 @@
-"""backends/triton/pretuned.py: recorded autotuning choices reach an autotuner's cache on its first
-launch (matching the current device's name), only for configs it has, and not when switched off."""
+"""backends/triton/pretuned.py: recorded tile choices (matching the current device's name) fill an
+autotuner's cache, only for configs it has, and not when switched off (tests/test_tile_choice.py: they
+refine the heuristic tiles without autotuning)."""
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from backends.triton import _common, pretuned  # noqa: E402
+from backends.triton.tile_choice import first_config  # noqa: E402
 
 
 @triton.jit
@@ -16,7 +18,7 @@ def _two_config_kernel(x_ptr, n, BLOCK: triton.language.constexpr):
 
 def _tuner():
     configs = [triton.Config({"BLOCK": 64}, num_warps=4), triton.Config({"BLOCK": 128}, num_warps=8)]
-    return _common.autotune_cached(configs=configs, key=["n"])(_two_config_kernel)
+    return _common.autotune_cached(configs=configs, key=["n"], heuristic=first_config)(_two_config_kernel)
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def test_prefill_takes_recorded_choice(fake_gpu):
     name = next(n for n, t in pretuned.tuners().items() if t is tuner)
     second = pretuned.config_kwargs(tuner.configs[1])
     _write(fake_gpu, {name: [[[4096, "torch.float32"], second], [[8, "torch.float32"], {"BLOCK": 32}]]})
-    assert pretuned._prefill(name, tuner) == 1  # the BLOCK 32 entry names no config of this tuner
+    assert pretuned.prefill(name, tuner) == 1  # the BLOCK 32 entry names no config of this tuner
     assert tuner.cache == {(4096, "torch.float32"): tuner.configs[1]}
     assert pretuned.record()[name] == [[[4096, "torch.float32"], second]]
 
@@ -55,17 +57,17 @@ def test_switched_off_or_other_device(fake_gpu, monkeypatch):
     name = next(n for n, t in pretuned.tuners().items() if t is tuner)
     _write(fake_gpu, {name: [[[4096, "torch.float32"], pretuned.config_kwargs(tuner.configs[0])]]})
     monkeypatch.setenv("MXMLA_TRITON_PRETUNED", "0")
-    assert pretuned._prefill(name, tuner) == 0
+    assert pretuned.prefill(name, tuner) == 0
     monkeypatch.delenv("MXMLA_TRITON_PRETUNED")
     monkeypatch.setattr(pretuned, "_current_device_name", lambda: "Other GPU")
-    assert pretuned._prefill(name, tuner) == 0 and not tuner.cache
+    assert pretuned.prefill(name, tuner) == 0 and not tuner.cache
 
 
 def test_bad_switch_value_raises(fake_gpu, monkeypatch):
     tuner = _tuner()
     monkeypatch.setenv("MXMLA_TRITON_PRETUNED", "yes")
     with pytest.raises(ValueError, match="MXMLA_TRITON_PRETUNED"):
-        pretuned._prefill("x", tuner)
+        pretuned.prefill("x", tuner)
 
 
 def test_shipped_tables_parse():

@@ -1,6 +1,6 @@
 """Environment switches: one parser (backends/settings.py), a bad value raises naming the variable
 even where no kernel reads it, one table in docs/ARCHITECTURE.md, and every Triton module with an
-autotuned kernel runs a fixed tile under MXMLA_TRITON_AUTOTUNE=0."""
+autotuned kernel launches its heuristic tile without timing by default (MXMLA_TRITON_AUTOTUNE unset)."""
 from __future__ import annotations
 
 import pathlib
@@ -56,10 +56,10 @@ def test_every_accepted_value_and_the_default_parse(monkeypatch, sw):
 
 
 def test_flags_read_as_bools(monkeypatch):
-    assert settings.flag("MXMLA_TRITON_AUTOTUNE") is True
-    assert settings.flag("MXMLA_TRITON_FP8_MMA") is False
-    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "0")
     assert settings.flag("MXMLA_TRITON_AUTOTUNE") is False
+    assert settings.flag("MXMLA_TRITON_PRETUNED") is True
+    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "1")
+    assert settings.flag("MXMLA_TRITON_AUTOTUNE") is True
 
 
 def test_interpret_mode_reads_the_variable_as_triton_does(monkeypatch):
@@ -87,89 +87,84 @@ def test_no_other_library_module_parses_an_mxmla_variable():
     assert not offenders, offenders
 
 
-class _Recorder:
-    """Stands in for a jitted kernel: records the launch's meta-parameters instead of running."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.calls.append(kw)
-
-
-class _NoAutotune:
-    def __getitem__(self, grid):
-        raise AssertionError("the autotuned kernel was launched with MXMLA_TRITON_AUTOTUNE=0")
-
-
 def _gpu_path(monkeypatch, mod):
     monkeypatch.setattr(mod, "interpret_mode", lambda: False)
-    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "0")
-    # every launch through kernel[grid], i.e. the recorder (fast_launch's cache keys on the CUDA device)
+    # every launch through kernel[grid], i.e. the autotuner's run (fast_launch's cache keys on the CUDA device)
     monkeypatch.setenv("MXMLA_TRITON_FAST_LAUNCH", "0")
+    import triton.runtime.autotuner as autotuner
+
+    def timed(*a, **k):
+        raise AssertionError("a config was timed at a first call with MXMLA_TRITON_AUTOTUNE unset")
+
+    monkeypatch.setattr(autotuner.Autotuner, "_bench", timed)
+    monkeypatch.setattr(autotuner.Autotuner, "check_disk_cache", timed)
 
 
-def test_rope_fixed_tile(monkeypatch):
+def _launches(monkeypatch, tuner):
+    """The meta-parameters the autotuner hands its kernel, recorded instead of a launch."""
+    calls = []
+    monkeypatch.setattr(tuner.fn, "run", lambda *a, **kw: calls.append(kw))
+    return calls
+
+
+def test_rope_heuristic_tile(monkeypatch):
     from backends.triton import rope as mod
 
     _gpu_path(monkeypatch, mod)
-    rec = _Recorder()
-    monkeypatch.setattr(mod, "_rope_kernel", rec)
-    monkeypatch.setattr(mod, "_rope_autotuned", _NoAutotune())
+    calls = _launches(monkeypatch, mod._rope_autotuned)
     x = torch.randn(8, 2, 64)
     cos = torch.randn(8, 32)
     mod.rope(x, cos, cos.clone())
-    assert rec.calls and rec.calls[0]["BLOCK_T"] >= 1 and "BLOCK_H" in rec.calls[0]
+    # 2 heads of 64 features: both heads, 16 tokens (2K elements), 4 warps
+    assert [(c["BLOCK_T"], c["BLOCK_H"], c["num_warps"]) for c in calls] == [(16, 2, 4)]
 
 
-def test_rmsnorm_fixed_tile(monkeypatch):
+def test_rmsnorm_heuristic_tile(monkeypatch):
     from backends.triton import rmsnorm as mod
 
     _gpu_path(monkeypatch, mod)
     monkeypatch.setattr(mod, "use_hw_cvt", lambda device: False)
-    rec = _Recorder()
-    monkeypatch.setattr(mod, "_rmsnorm_mxfp8_kernel", rec)
-    monkeypatch.setattr(mod, "_rmsnorm_tuned", _NoAutotune())
-    mod.rmsnorm_mxfp8(torch.randn(32, 64), torch.randn(64))
-    assert rec.calls[0]["BLOCK_D"] == mod._FIXED_CONFIG["BLOCK_D"]
+    monkeypatch.setattr(mod, "_sm_count", lambda device: 132)
+    calls = _launches(monkeypatch, mod._rmsnorm_tuned)
+    mod.rmsnorm_mxfp8(torch.randn(32, 1536), torch.randn(1536))
+    # one band of 32 rows on 132 SMs: 256-column chunks, two programs per band
+    assert [(c["BLOCK_D"], c["SPLIT"], c["num_warps"]) for c in calls] == [(256, 2, 4)]
 
 
-def test_quantize_and_dequantize_fixed_tile(monkeypatch):
+def test_quantize_and_dequantize_heuristic_tile(monkeypatch):
     from backends.triton import quantize as mod
 
     _gpu_path(monkeypatch, mod)
     monkeypatch.setattr(mod, "use_hw_cvt", lambda device: False)
-    monkeypatch.setattr(mod, "_register_cap", lambda tile: None)
-    for kernel, tuned in (("_quantize_heuristic", "_quantize_tuned"), ("_dequantize_heuristic", "_dequantize_tuned")):
-        monkeypatch.setattr(mod, kernel, _Recorder())
-        monkeypatch.setattr(mod, tuned, _NoAutotune())
+    calls = {k: _launches(monkeypatch, getattr(mod, k)) for k in ("_quantize_tuned", "_dequantize_tuned")}
     x = torch.randn(32, 64)
     t = mod.mxfp8_quantize(x)
     mod.mxfp8_dequantize(t)
-    for kernel in ("_quantize_heuristic", "_dequantize_heuristic"):
-        call = getattr(mod, kernel).calls[0]
-        assert (call["BM"], call["BN"], call["num_warps"]) == mod._INTERPRET_CONFIG
+    for kernel, made in calls.items():
+        assert [(c["BM"], c["BN"], c["num_warps"]) for c in made] == [(32, 64, 1)], kernel
 
 
-def test_attention_runs_the_first_config_without_the_autotuner(monkeypatch):
-    # the interpreter's config lists hold one tile, so both settings give the same bytes; with 0 the
-    # autotuners never run (their run() would raise here)
+def test_attention_runs_the_first_config_without_timing(monkeypatch):
+    # the interpreter's config lists hold one tile, so both settings give the same bytes; by default
+    # Triton's autotuner is never entered (its run would raise here)
     from tests.util import skip_without_triton_interpreter
 
     skip_without_triton_interpreter()
-    import triton.runtime.autotuner as autotuner
-
     import dispatch as d
+    from backends.triton import attention
     from tests.util import assert_bytes_equal
 
     g = torch.Generator().manual_seed(7)
     q, k = (torch.randn(1, 24, 2, 192, generator=g).bfloat16() for _ in range(2))
     v = torch.randn(1, 24, 2, 128, generator=g).bfloat16()
+    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "1")
     o, lse = d.run("mla_attention", q, k, v, causal=True, backend="triton")
     do = torch.randn(o.shape, generator=g).bfloat16()
     grads = d.run("mla_attention_backward", do, q, k, v, o, lse, causal=True, backend="triton")
-    monkeypatch.setenv("MXMLA_TRITON_AUTOTUNE", "0")
-    monkeypatch.setattr(autotuner.Autotuner, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("autotuned")))
+    monkeypatch.delenv("MXMLA_TRITON_AUTOTUNE")
+    for tuner in (attention._mla_fwd_kernel, attention._mla_bwd_dkdv_kernel, attention._mla_bwd_dq_kernel):
+        monkeypatch.setattr(tuner.run.__self__, "autotune_run",
+                            lambda *a, **k: (_ for _ in ()).throw(AssertionError("autotuned")))
     o0, lse0 = d.run("mla_attention", q, k, v, causal=True, backend="triton")
     grads0 = d.run("mla_attention_backward", do, q, k, v, o, lse, causal=True, backend="triton")
     assert_bytes_equal(o0, o, "o")

@@ -83,38 +83,17 @@ def env_choice(name: str, choices: Tuple[str, ...], default: str) -> str:
     return settings.choice(name, choices, default)
 
 
-def autotune_cached(**kwargs):
-    """triton.autotune, its results kept on disk beside Triton's compiled kernels (cache_results, where
-    this Triton has it): a second process with the same cache skips the timing runs. The autotuner
-    starts from the choices recorded for this GPU model (pretuned.py), so a fresh process skips them
-    too for the shapes recorded."""
-    import inspect
+def autotune_cached(*, configs, key, heuristic, **kwargs):
+    """An autotuner that picks its config without timing by default: tile_choice.tuned."""
+    from .tile_choice import tuned
 
-    from . import pretuned
-
-    if "cache_results" in inspect.signature(triton.autotune).parameters:
-        kwargs.setdefault("cache_results", True)
-    decorate = triton.autotune(**kwargs)
-
-    def make(fn):
-        tuner = decorate(fn)
-        pretuned.register(tuner)
-        return tuner
-
-    return make
+    return tuned(configs=configs, key=key, heuristic=heuristic, **kwargs)
 
 
 def autotune_enabled() -> bool:
-    """MXMLA_TRITON_AUTOTUNE: autotune per shape bucket (1, the default) or one fixed tile (0)."""
+    """MXMLA_TRITON_AUTOTUNE: time the configs per key (1) or take the heuristic / recorded tile (0,
+    the default; tile_choice.py)."""
     return settings.flag("MXMLA_TRITON_AUTOTUNE")
-
-
-def launch_tuned(kernel, grid, *args, **kwargs):
-    """Launch an autotuned kernel: autotuned, or with MXMLA_TRITON_AUTOTUNE=0 its list's first config
-    (no timing runs)."""
-    if autotune_enabled():
-        return kernel[grid](*args, **kwargs)
-    return kernel.fn[grid](*args, **kwargs, **kernel.configs[0].all_kwargs())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -84,7 +84,8 @@ from spec.mxtensor import MXTensor
 from ..torch.swizzle import unswizzle_scales
 
 from ..registry import register
-from ._common import autotune_cached, cdiv, interpret_mode, launch_tuned, triton_reasons
+from ._common import autotune_cached, cdiv, interpret_mode, triton_reasons
+from .tile_choice import first_config
 from .quantize import dequantize_bf16_flat_many
 from ._fpbits import round_f32
 
@@ -327,7 +328,8 @@ def _even_kv(args) -> bool:
     return FWD_EVEN_KV and not args["VARLEN"] and args["SEQ_KV"] % args["BLOCK_N"] == 0
 
 
-@autotune_cached(configs=_fwd_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "Q_MX", "K_MX", "V_MX"])
+@autotune_cached(configs=_fwd_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "Q_MX", "K_MX", "V_MX"],
+                 heuristic=first_config)
 @triton.heuristics({"EVEN_KV": _even_kv})
 @triton.jit
 def _mla_fwd_kernel(
@@ -480,7 +482,8 @@ def _bwd_dkdv_inner(dk0, dk1, dv, k0, k1, v,
     return dk0, dk1, dv
 
 
-@autotune_cached(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "ATOMIC_DQ"], reset_to_zero=["DQA"])
+@autotune_cached(configs=_dkdv_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN", "ATOMIC_DQ"], reset_to_zero=["DQA"],
+                 heuristic=first_config)
 @triton.jit
 def _mla_bwd_dkdv_kernel(
     Q, K, V, DO, LSE2, DELTA, DK, DV, DQA, CU_Q, CU_KV,
@@ -581,7 +584,7 @@ def _bwd_dq_inner(dq0, dq1, q0, q1, do, lse2, delta,
     return dq0, dq1
 
 
-@autotune_cached(configs=_dq_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN"])
+@autotune_cached(configs=_dq_configs(), key=["SEQ_BUCKET", "CAUSAL", "VARLEN"], heuristic=first_config)
 @triton.jit
 def _mla_bwd_dq_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, CU_Q, CU_KV,
@@ -735,8 +738,8 @@ def _forward(q, k, v, causal, softmax_scale, layout, cu_seqlens_q, cu_seqlens_kv
     cu_q = geo.cu_q if geo.varlen else lse
     cu_kv = geo.cu_kv if geo.varlen else lse
     grid = lambda meta: (cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)  # noqa: E731
-    launch_tuned(
-        _mla_fwd_kernel, grid, qd, kd, vd,
+    _mla_fwd_kernel[grid](
+        qd, kd, vd,
         qs if qs is not None else qd, ks if ks is not None else kd, vs if vs is not None else vd,
         o, lse, cu_q, cu_kv,
         *_bsh_strides(qd, layout), *_bsh_strides(kd, layout), *_bsh_strides(vd, layout),
@@ -780,8 +783,7 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else dq
 
     def dkdv():
-        launch_tuned(
-            _mla_bwd_dkdv_kernel, lambda meta: (cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch),
+        _mla_bwd_dkdv_kernel[lambda meta: (cdiv(geo.max_kv, meta["BLOCK_N"]), geo.heads, geo.batch)](
             q, k, v, do, lse2, delta, dk, dv, dq_acc, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dk, layout), *_bsh_strides(dv, layout),
@@ -801,8 +803,7 @@ def _backward(do, q, k, v, o, lse, causal, softmax_scale, layout, cu_seqlens_q, 
         dq.copy_(dq_acc * scale)  # one fp32 multiply, then RN to bf16 (as the dq kernel's epilogue)
         return dq, dk, dv
     if geo.max_q:
-        launch_tuned(
-            _mla_bwd_dq_kernel, lambda meta: (cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch),
+        _mla_bwd_dq_kernel[lambda meta: (cdiv(geo.max_q, meta["BLOCK_M"]), geo.heads, geo.batch)](
             q, k, v, do, lse2, delta, dq, cu_q, cu_kv,
             *_bsh_strides(q, layout), *_bsh_strides(k, layout), *_bsh_strides(v, layout),
             *_bsh_strides(do, layout), *_bsh_strides(dq, layout),

@@ -112,6 +112,7 @@ from ._tiles import grouped_tile
 from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
                    mxfp8_gemm_tensors, scale_offsets)
 from .mla_q_prepass import block_unsafe, prepass_dequantized, rope_grad_chunk
+from .tile_choice import first_config
 
 __all__ = ["mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward"]
 
@@ -528,9 +529,11 @@ _HEURISTICS = {"EVEN_K": _even_k, "EVEN_T": _even_t}
 _FWD_KEY = ["T_BUCKET", "K", "H", "MX", "XS_SWIZZLED", "WS_SWIZZLED"]
 _fwd_fixed = triton.heuristics(_HEURISTICS)(_mla_q_fwd_kernel)
 _fwd_tma_fixed = triton.heuristics({"EVEN_T": _even_t})(_mla_q_fwd_tma_kernel)
-_fwd_tuned = {mx: autotune_cached(configs=_fwd_configs(mx), key=_FWD_KEY)(_fwd_fixed) for mx in (False, True)}
-_fwd_tma_tuned = {mx: autotune_cached(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY)(_fwd_tma_fixed)
-                  for mx in (False, True)}
+# Without MXMLA_TRITON_AUTOTUNE=1 the launch takes _FWD_DEFAULT (below) and never these autotuners.
+_fwd_tuned = {mx: autotune_cached(configs=_fwd_configs(mx), key=_FWD_KEY, heuristic=first_config)(_fwd_fixed)
+              for mx in (False, True)}
+_fwd_tma_tuned = {mx: autotune_cached(configs=_fwd_configs(mx, tma=True), key=_FWD_KEY, heuristic=first_config)(
+    _fwd_tma_fixed) for mx in (False, True)}
 _FWD_DEFAULT = {False: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=16, ROPE_SPLIT=True, num_warps=8, num_stages=4, maxnreg=128),
                 True: dict(BLOCK_M=128, BLOCK_K=32, GROUP_M=8, ROPE_SPLIT=True, num_warps=8, num_stages=6)}
 

@@ -1,16 +1,16 @@
-"""Autotuning results recorded on a GPU model and shipped with the package, so that a fresh process
-on that model skips the timing runs (and the compilation of every losing config) for the shapes
-they cover: the DeepSeek-V3 block's, as tools/record_pretuned.py runs them.
+"""Tile choices recorded on a GPU model and shipped with the package: they refine the heuristic tiles
+(tile_choice.py) at the keys they hold, and spare a process that autotunes (MXMLA_TRITON_AUTOTUNE=1)
+the timing runs, and the compilation of every losing config, at those keys.
 
-Every autotuner made by `_common.autotune_cached` registers here under its kernel's qualified name.
-On its first launch it takes the recorded choices for the current device's name from
-`pretuned/<device slug>.json` into its in-memory cache (Triton's Autotuner.cache: key -> Config),
-exactly as if it had timed them itself in this process; a key that is not recorded is autotuned as
-usual. A recorded choice is only a tile choice: each config of an autotuner computes the same
-result, so a table never changes what a kernel returns.
+Every autotuner made by `tile_choice.tuned` registers here under its kernel's qualified name. Its
+recorded choices for the current device's name come from `pretuned/<device slug>.json`: without
+autotuning a launch at a recorded key takes the recorded config instead of the heuristic's; with it
+they fill the autotuner's in-memory cache (Triton's Autotuner.cache: key -> Config) at its first
+launch, exactly as if it had timed them itself in this process, and a key that is not recorded is
+autotuned as usual. A recorded choice is only a tile choice: each config of an autotuner computes the
+same result, so a table never changes what a kernel returns.
 
-MXMLA_TRITON_PRETUNED=0 ignores the tables (full autotuning); MXMLA_TRITON_AUTOTUNE=0 skips
-autotuning altogether (one fixed config per kernel) and so never reads them.
+MXMLA_TRITON_PRETUNED=0 ignores the tables.
 
 File format: {"device": name, "triton": version, "kernels": {qualified name: [[key, config], ...]}},
 key the autotuner's key as a list (its key arguments' values, then the dtype names of its tensor
@@ -49,8 +49,8 @@ def _base_function(fn):
 
 
 def register(tuner) -> str:
-    """Register an autotuner (made by autotune_cached) and make its first launch read the table. Its
-    name: module.kernel, with #2, #3, ... for further autotuners of one kernel, in import order."""
+    """Register an autotuner (made by tile_choice.tuned); returns its name: module.kernel, with #2, #3,
+    ... for further autotuners of one kernel, in import order."""
     base = _base_function(tuner.fn)
     name = f"{getattr(base, '__module__', '?')}.{getattr(base, '__name__', '?')}"
     with _lock:
@@ -59,14 +59,6 @@ def register(tuner) -> str:
             n += 1
             unique = f"{name}#{n}"
         _tuners[unique] = tuner
-    real_run = tuner.run
-
-    def first_run(*args, **kwargs):
-        tuner.run = real_run  # later launches: Triton's own run, no wrapper cost
-        _prefill(unique, tuner)
-        return real_run(*args, **kwargs)
-
-    tuner.run = first_run
     return unique
 
 
@@ -105,21 +97,31 @@ def config_kwargs(config) -> dict:
     return {k: v for k, v in config.all_kwargs().items() if _jsonable(v)}
 
 
-def _prefill(name: str, tuner) -> int:
-    """Copy the recorded choices of the current device into tuner.cache; returns how many."""
+def recorded(name: str, tuner) -> dict:
+    """The recorded choices of the current device for this autotuner ({key tuple: Config}); empty with
+    MXMLA_TRITON_PRETUNED=0, in the interpreter, or without a table for this GPU model."""
     if settings.interpret_mode() or not settings.flag("MXMLA_TRITON_PRETUNED"):
-        return 0
+        return {}
     device = _current_device_name()
-    recorded = table(device) if device else None
-    if not recorded:
-        return 0
-    filled = 0
+    table_ = table(device) if device else None
+    if not table_:
+        return {}
     by_kwargs = [(config_kwargs(c), c) for c in tuner.configs]
-    for key, wanted in recorded.get(name, ()):
+    out = {}
+    for key, wanted in table_.get(name, ()):
         match = next((c for kw, c in by_kwargs if kw == wanted), None)
-        key = tuple(key)
-        if match is not None and key not in tuner.cache:
-            tuner.cache[key] = match
+        if match is not None:
+            out[tuple(key)] = match
+    return out
+
+
+def prefill(name: str, tuner) -> int:
+    """Copy the recorded choices of the current device into tuner.cache (keys it lacks); returns how
+    many."""
+    filled = 0
+    for key, config in recorded(name, tuner).items():
+        if key not in tuner.cache:
+            tuner.cache[key] = config
             filled += 1
     return filled
 

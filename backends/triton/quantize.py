@@ -64,12 +64,13 @@ from spec.mxtensor import MXTensor
 from spec.quantize import normalize_axes
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, triton_reasons
+from ._common import autotune_cached, cdiv, fast_launch, interpret_mode, triton_reasons
 from ._fpbits import round_f32
 from ._mxfp8 import bf16_unsafe
 from ._mx_codec import (F32_ABS_MASK, F32_INF_BITS, F32_QNAN_BITS, HALF_SUBNORMAL_MANT, amax_nan, block_amax,
                         elem_meta, emit_codes, load_f32, use_hw_cvt)
 from .swizzle import empty_output, swizzle_offset
+from .tile_choice import pick
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _SCALE_MODE_CODE = {name: i for i, name in enumerate(SCALE_MODES)}  # rceil 0, floor 1, ceil 2, even 3
@@ -261,6 +262,17 @@ def _tune_bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
+def _tile_heuristic(configs, named):
+    """The tile without timing, from the key's size buckets (M, N at the top of theirs): problems under
+    4M elements the first, smallest tile (as _prune_configs); larger ones one warp of 32 rows (col
+    blocks reduced by shuffles) by 128 columns, or 64 where rows are at most 128 wide. On the H200 it is
+    what autotuning chose at 8 of the 10 recorded keys (tests/test_tile_choice.py names the others)."""
+    mb, nb = named["M_BUCKET"], named["N_BUCKET"]
+    if mb + nb <= 22:
+        return configs[0]
+    return pick(configs, BM=32, BN=64 if nb <= 7 else 128, num_warps=1)
+
+
 _quantize_heuristic = triton.heuristics({"MASKED": _masked})(_quantize_kernel)
 _quantize_tuned = autotune_cached(
     configs=_quantize_configs(),
@@ -268,11 +280,12 @@ _quantize_tuned = autotune_cached(
          "NAN_BLOCK", "IS_E5M2"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_tune_bench,
+    heuristic=_tile_heuristic,
 )(_quantize_heuristic)
 
-# (BM, BN, num_warps) used instead of autotuning: in the interpreter and with MXMLA_TRITON_AUTOTUNE=0
-# (the first tile of the list, the one calls under 4M elements always run), and while `forced_config`
-# is active (tests run every config on the GPU this way).
+# (BM, BN, num_warps) used instead of the heuristic / autotuning: in the interpreter (the first tile of
+# the list, the one calls under 4M elements always run), and while `forced_config` is active (tests
+# run every config on the GPU this way).
 _INTERPRET_CONFIG = (32, 64, 1)
 _forced_config: Optional[Tuple[int, int, int]] = None
 
@@ -289,10 +302,10 @@ def forced_config(bm: int, bn: int, num_warps: int):
 
 
 def _fixed_tile() -> Optional[Tuple[int, int, int]]:
-    """The tile to launch instead of autotuning, or None to autotune."""
+    """The tile to launch instead of the autotuner's choice, or None to let it choose."""
     if _forced_config is not None:
         return _forced_config
-    return _INTERPRET_CONFIG if interpret_mode() or not autotune_enabled() else None
+    return _INTERPRET_CONFIG if interpret_mode() else None
 
 
 def _register_cap(tile: Tuple[int, int, int]) -> Optional[int]:
@@ -611,6 +624,7 @@ _dequantize_tuned = autotune_cached(
     key=["M_BUCKET", "N_BUCKET", "ROW", "SWIZZLED", "IS_E5M2", "OUT_BF16"],
     prune_configs_by={"early_config_prune": _prune_configs},
     do_bench=_tune_bench,
+    heuristic=_tile_heuristic,
 )(_dequantize_heuristic)
 
 

@@ -35,9 +35,10 @@ from spec.constants import BLOCK_SIZE
 from spec.mxtensor import MXTensor
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, sm_count, triton_reasons
+from ._common import autotune_cached, cdiv, fast_launch, interpret_mode, sm_count, triton_reasons
 from ._fpbits import widen_f32
 from ._mx_codec import elem_meta, encode, scale_byte, scale_multiplier, use_hw_cvt
+from .tile_choice import pick
 
 _ELEM_TORCH = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -166,18 +167,27 @@ def _prune(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+def _heuristic(configs, named):
+    """The tile without timing: chunks of up to 256 columns (no wider than D), 4 warps, and two programs
+    per 32-row band while the bands alone (T / 32, T at the top of its bucket) leave SMs idle. On the
+    H200 it is what autotuning chose at D 1536, T 4096 to 16384 (the recorded table)."""
+    d = named["D"]
+    block_d = min(256, max(64, triton.next_power_of_2(d)))
+    bands = (1 << named["T_BUCKET"]) // 32
+    split = 2 if cdiv(d, block_d) >= 2 and bands < _sm_count(named["rstd_ptr"].device) else 1
+    return pick(configs, BLOCK_D=block_d, SPLIT=split, num_warps=4)
+
+
 _rmsnorm_tuned = autotune_cached(
     configs=_configs(),
     key=["D", "T_BUCKET", "ZERO_CENTERED", "IS_E5M2"],
     prune_configs_by={"early_config_prune": _prune},
+    heuristic=_heuristic,
 )(_rmsnorm_mxfp8_kernel)
 
-# Used instead of autotuning in the interpreter, and while `forced_config` is active (tests run
-# several tiles this way, on the GPU too).
+# Used instead of the heuristic / autotuning in the interpreter, and while `forced_config` is active
+# (tests run several tiles this way, on the GPU too).
 _INTERPRET_CONFIG = {"BLOCK_D": 64, "SPLIT": 2, "num_warps": 4}
-# With MXMLA_TRITON_AUTOTUNE=0 on the GPU: the one tile _prune keeps for every D (64 columns, one
-# program per band).
-_FIXED_CONFIG = {"BLOCK_D": 64, "SPLIT": 1, "num_warps": 4}
 _forced_config: Optional[dict] = None
 
 
@@ -225,8 +235,8 @@ def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
                 max(n_rows - 1, 1).bit_length())
         meta = dict(ZERO_CENTERED=bool(zero_centered_gamma), HW_CVT=use_hw_cvt(device), **elem_meta(elem))
         bands = n_rows // BLOCK_SIZE
-        if interpret_mode() or _forced_config is not None or not autotune_enabled():
-            cfg = dict(_forced_config or (_INTERPRET_CONFIG if interpret_mode() else _FIXED_CONFIG))
+        if interpret_mode() or _forced_config is not None:
+            cfg = dict(_forced_config or _INTERPRET_CONFIG)
             fast_launch(_rmsnorm_mxfp8_kernel, (bands, cfg["SPLIT"]), *args, **meta, **cfg, enable_fp_fusion=False)
         else:
             grid = lambda m: (bands, m["SPLIT"])  # noqa: E731

@@ -35,7 +35,8 @@ import triton.language as tl
 from spec.constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 
 from ..registry import register
-from ._common import autotune_cached, autotune_enabled, cdiv, fast_launch, interpret_mode, placeholder, triton_reasons
+from ._common import autotune_cached, cdiv, fast_launch, interpret_mode, placeholder, triton_reasons
+from .tile_choice import pick
 from ._fpbits import round_f32_canonical_nan, widen_f32
 
 _TORCH_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -260,8 +261,7 @@ def _prune(configs, named_args, **kwargs):
 
 
 def _fixed_config(n_heads: int, block_keep: int, block_half: int):
-    """The tile used instead of autotuning (interpreter, MXMLA_TRITON_AUTOTUNE=0): all heads of a token,
-    several tokens when rows are tiny."""
+    """The interpreter's tile: all heads of a token (at most 32), several tokens when rows are tiny."""
     block_h = min(triton.next_power_of_2(n_heads), 32)
     row = block_keep + 2 * block_half
     block_t = 1
@@ -270,10 +270,30 @@ def _fixed_config(n_heads: int, block_keep: int, block_half: int):
     return {"BLOCK_T": block_t, "BLOCK_H": block_h, "num_warps": 4}
 
 
+def _heuristic(configs, named):
+    """The tile without timing, from the head count and the row width (as _prune's window): all heads
+    of a token when they fit 16K elements, else the widest power-of-two head block that does; then,
+    with all heads in, tokens added until the tile holds 2K elements (a short row gets many programs);
+    8 warps from 8K elements. On the H200 it is what autotuning chose for the 128-head q rows at every
+    recorded key (tests/test_tile_choice.py names the one-head k_pe keys where it is not)."""
+    heads_p2 = triton.next_power_of_2(named["n_heads"])
+    row = named["BLOCK_KEEP"] + 2 * named["BLOCK_HALF"]
+    block_h = 1
+    while block_h < heads_p2 and 2 * block_h * row <= 16384:
+        block_h *= 2
+    block_t = 1
+    if block_h == heads_p2:
+        while block_t < 256 and block_t * block_h * row < 2048:
+            block_t *= 2
+    warps = 8 if block_t * block_h * row >= 8192 else 4
+    return pick(configs, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+
+
 _rope_autotuned = autotune_cached(
     configs=_gpu_configs(),
     key=["TOK_BUCKET", "n_heads", "KEEP", "HALF", "IN_PAIRED", "OUT_PAIRED", "CONVERT_KEEP"],
     prune_configs_by={"early_config_prune": _prune},
+    heuristic=_heuristic,
 )(_rope_kernel)
 
 
@@ -341,7 +361,7 @@ def _launch(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, 
         IN_PAIRED=in_paired, OUT_PAIRED=out_paired, TAB_PAIRED=style == "interleaved", BACKWARD=backward,
         CONVERT_KEEP=x.dtype != dtype,
     )
-    if interpret_mode() or not autotune_enabled():
+    if interpret_mode():
         cfg = _fixed_config(n_heads, block_keep, block_half)
         grid = (cdiv(n_tokens, cfg["BLOCK_T"]),)
         fast_launch(_rope_kernel, grid, *args, **meta, **cfg, enable_fp_fusion=False)
