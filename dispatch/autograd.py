@@ -82,6 +82,7 @@ import torch
 from torch import Tensor
 
 import dispatch as _dispatch
+import dispatch.resolution as _resolution
 from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mla_kv import MLA_KV_LAYOUTS, mla_kv_axes, validate_mla_kv_quantize, validate_mla_kv_tables
@@ -165,16 +166,20 @@ def _register_autograd(op, backward, setup_context) -> None:
     _EAGER_RULES[op] = (setup_context, backward)
 
 
-def plain_eager(args) -> bool:
-    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling:
-    the calls that take the eager path (above), here and in the layers that build their own nodes."""
-    if torch.compiler.is_compiling():
-        return False
+def plain_classes(args) -> bool:
+    """Every tensor argument of the plain classes torch.Tensor / nn.Parameter (no subclass: DTensor,
+    ...). While dynamo traces, tensors show their user-visible class: plain ones pass."""
     for a in args:
         # exact classes: a DTensor parameter passes isinstance(Parameter) but is a DTensor
         if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
             return False
     return True
+
+
+def plain_eager(args) -> bool:
+    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling:
+    the calls that take the eager path (above), here and in the layers that build their own nodes."""
+    return not torch.compiler.is_compiling() and plain_classes(args)
 
 
 class _EagerOp(torch.autograd.Function):
@@ -288,6 +293,9 @@ def _validate(op: str, *args, **kwargs) -> None:
     the custom op's own `dispatch.run` validates when the graph runs."""
     if not torch.compiler.is_compiling():
         _dispatch.validate(op, *args, **kwargs)
+
+
+_run = _resolution.run  # dispatch.run, or a backend resolved at trace time called directly
 
 
 def _contiguous(t: Any) -> Any:
@@ -890,41 +898,148 @@ def _kv_composed(k_nope, k_pe, v, layout, backend, cos=None, sin=None):
     return mxfp8_quantize(k, axis=-1, backend=backend), mxfp8_quantize(v, axis=seq, backend=backend)
 
 
+def _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend):
+    """(k codes uint8, k scales, v codes uint8, v scales) of one `mla_kv_quantize` call."""
+    kq, vq = _run("mla_kv_quantize", k_nope, k_pe, v, layout=layout, cos=cos, sin=sin, backend=backend)
+    return kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8), vq.scale
+
+
+def _kv_grads(dk, dv, cos, sin, layout, pe_heads, dtypes, backend):
+    """(dk_nope, dk_pe, dv) from the gradients of k's and v's proxies (either may be None): the
+    composition's -- slices, the sum over heads that expand's backward takes for a shared k_pe, casts to
+    the inputs' dtypes, and the rope op's own backward when the op rotated k_pe."""
+    nope_dtype, pe_dtype, v_dtype = dtypes
+    dk_nope = dk_pe = None
+    if dk is not None:
+        head = mla_kv_axes(layout)[1]
+        dk_nope = dk[..., :_NOPE_DIM].to(nope_dtype)
+        dk_pe = dk[..., _NOPE_DIM:]
+        if pe_heads != dk.shape[head]:
+            dk_pe = dk_pe.sum(head, keepdim=True)
+        dk_pe = dk_pe.to(pe_dtype)
+        if cos is not None:
+            # the rope op's own backward, on the gradient it would receive in the composition
+            dk_pe = _run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=layout,
+                         out_dtype=_DTYPE_NAMES[pe_dtype], backend=backend)
+    return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype)
+
+
+def _kv_proxies(k_nope, v, proxy):
+    shape = tuple(k_nope.shape[:-1]) + (MLA_QK_HEAD_DIM,)
+    return proxy(shape, k_nope.dtype, k_nope.device), proxy(v.shape, v.dtype, v.device)
+
+
 class _KVQuant(torch.autograd.Function):
     """The eager mla_kv_mxfp8: one `dispatch.run("mla_kv_quantize", ...)` under one graph node (the
-    composition's gradients, computed the same way: slices, the sum over heads that expand's backward
-    takes, casts to the inputs' dtypes, and rope_backward when the op rotated k_pe)."""
+    composition's gradients, computed the same way: `_kv_grads`)."""
 
     @staticmethod
     def forward(ctx, k_nope, k_pe, v, cos, sin, layout, head, backend):
-        kq, vq = _dispatch.run("mla_kv_quantize", k_nope, k_pe, v, layout=layout, cos=cos, sin=sin, backend=backend)
-        shape = tuple(k_nope.shape[:-1])
-        k_data, k_scale, v_data = kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8)
-        ctx.mark_non_differentiable(k_data, k_scale, v_data, vq.scale)
+        k_data, k_scale, v_data, v_scale = _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend)
+        ctx.mark_non_differentiable(k_data, k_scale, v_data, v_scale)
         ctx.set_materialize_grads(False)
-        ctx.head, ctx.pe_heads, ctx.dtypes = head, k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
+        ctx.pe_heads, ctx.dtypes = k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
         ctx.layout, ctx.backend = layout, backend
         ctx.save_for_backward(cos, sin)
-        k_proxy = shared_grad_proxy(shape + (MLA_QK_HEAD_DIM,), k_nope.dtype, k_nope.device)
-        v_proxy = shared_grad_proxy(v.shape, v.dtype, v.device)
-        return k_proxy, k_data, k_scale, v_proxy, v_data, vq.scale
+        k_proxy, v_proxy = _kv_proxies(k_nope, v, shared_grad_proxy)
+        return k_proxy, k_data, k_scale, v_proxy, v_data, v_scale
 
     @staticmethod
     def backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
-        nope_dtype, pe_dtype, v_dtype = ctx.dtypes
+        cos, sin = ctx.saved_tensors
+        grads = _kv_grads(dk, dv, cos, sin, ctx.layout, ctx.pe_heads, ctx.dtypes, ctx.backend)
+        return (*grads, None, None, None, None, None)
+
+
+# The same node as custom ops, for torch.compile: the forward one `mla_kv_quantize` and the backward
+# one op around `_kv_grads` (the head sum and rope_backward inside it, so a compiled backward computes
+# the eager one's bytes: a compiler's reduction could sum the heads in another order).
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8", mutates_args=())
+def _kv_op(k_nope: Tensor, k_pe: Tensor, v: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], layout: str,
+           backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(k proxy, k codes uint8 [..., H, 192], k scales, v proxy, v codes uint8, v scales)."""
+    k_data, k_scale, v_data, v_scale = _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend)
+    k_proxy, v_proxy = _kv_proxies(k_nope, v, grad_proxy)
+    return k_proxy, k_data.contiguous(), k_scale.contiguous(), v_proxy, v_data.contiguous(), v_scale.contiguous()
+
+
+@_kv_op.register_fake
+def _(k_nope, k_pe, v, cos, sin, layout, backend):
+    k_proxy, v_proxy = _kv_proxies(k_nope, v, grad_proxy)
+    k_shape, v_shape = tuple(k_proxy.shape), tuple(v.shape)
+    seq = mla_kv_axes(layout)[0]
+    return (k_proxy, k_nope.new_empty(k_shape, dtype=torch.uint8),
+            k_nope.new_empty(_scale_shape(k_shape, len(k_shape) - 1, "compact"), dtype=torch.uint8),
+            v_proxy, v.new_empty(v_shape, dtype=torch.uint8),
+            v.new_empty(_scale_shape(v_shape, seq, "compact"), dtype=torch.uint8))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8_backward", mutates_args=())
+def _kv_backward_op(dk: Optional[Tensor], dv: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
+                    layout: str, pe_heads: int, nope_dtype: str, pe_dtype: str, v_dtype: str,
+                    backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dk_nope, dk_pe, dv); an empty tensor stands for the gradient of a None dk / dv."""
+    dtypes = tuple(_TORCH_DTYPES[d] for d in (nope_dtype, pe_dtype, v_dtype))
+    grads = _kv_grads(dk, dv, cos, sin, layout, pe_heads, dtypes, backend)
+    like = dk if dk is not None else dv
+    inputs = {t.untyped_storage().data_ptr() for t in (dk, dv) if t is not None}
+    # a custom op's outputs may not alias its inputs (dv.to(its own dtype) is dv)
+    return tuple(like.new_empty(0) if g is None else
+                 g.clone() if g.untyped_storage().data_ptr() in inputs else g.contiguous() for g in grads)
+
+
+@_kv_backward_op.register_fake
+def _(dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend):
+    like = dk if dk is not None else dv
+    if dk is None:
+        nope, pe = like.new_empty(0), like.new_empty(0)
+    else:
+        head = mla_kv_axes(layout)[1]
+        lead = list(dk.shape[:-1])
+        nope = dk.new_empty(tuple(lead) + (_NOPE_DIM,), dtype=_TORCH_DTYPES[nope_dtype])
+        lead[head] = pe_heads
+        pe = dk.new_empty(tuple(lead) + (MLA_ROPE_DIM,), dtype=_TORCH_DTYPES[pe_dtype])
+    return nope, pe, like.new_empty(0) if dv is None else dv.new_empty(dv.shape, dtype=_TORCH_DTYPES[v_dtype])
+
+
+def _kv_setup(ctx, inputs, output):
+    k_nope, k_pe, v, cos, sin, layout, backend = inputs
+    ctx.mark_non_differentiable(*(output[i] for i in (1, 2, 4, 5)))
+    ctx.set_materialize_grads(False)
+    head = mla_kv_axes(layout)[1]
+    ctx.save_for_backward(cos, sin)
+    ctx.options = (layout, int(k_pe.shape[head]), _DTYPE_NAMES[k_nope.dtype], _DTYPE_NAMES[k_pe.dtype],
+                   _DTYPE_NAMES[v.dtype], backend)
+    ctx.pe_shape = tuple(k_pe.shape)
+
+
+def _kv_backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
+    if dk is None and dv is None:
+        return (None,) * 7
+    cos, sin = ctx.saved_tensors
+    layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend = ctx.options
+    if cos is not None and dk is not None and _resolution.is_resolved(backend):
+        pe = _resolution.stand_in(ctx.pe_shape, _TORCH_DTYPES[pe_dtype], dk.device)
+        backend = _resolution.resolve("rope_backward", pe, cos, sin, style="mla", layout=layout, out_dtype=pe_dtype,
+                                      backend=backend)
+    dk_nope, dk_pe, dv_in = _call(_kv_backward_op, dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype,
+                                  backend)
+    if dk is None:
         dk_nope = dk_pe = None
-        if dk is not None:
-            dk_nope = dk[..., :_NOPE_DIM].to(nope_dtype)
-            dk_pe = dk[..., _NOPE_DIM:]
-            if ctx.pe_heads != dk.shape[ctx.head]:
-                dk_pe = dk_pe.sum(ctx.head, keepdim=True)
-            dk_pe = dk_pe.to(pe_dtype)
-            cos, sin = ctx.saved_tensors
-            if cos is not None:
-                # the rope op's own backward, on the gradient it would receive in the composition
-                dk_pe = _dispatch.run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=ctx.layout,
-                                      out_dtype=_DTYPE_NAMES[pe_dtype], backend=ctx.backend)
-        return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype), None, None, None, None, None
+    return dk_nope, dk_pe, None if dv is None else dv_in, None, None, None, None
+
+
+_register_autograd(_kv_op, _kv_backward, _kv_setup)
+
+
+def _kv_compiled(k_nope, k_pe, v, layout, backend, cos=None, sin=None):
+    """mla_kv_mxfp8 while torch.compile traces plain tensors: the two custom ops above, the backend
+    resolved now (dispatch.resolution)."""
+    backend = _resolution.resolve("mla_kv_quantize", k_nope, k_pe, v, layout=layout, cos=cos, sin=sin,
+                                  backend=backend)
+    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _kv_op(k_nope, k_pe, v, cos, sin, layout, backend)
+    return k_proxy, k_data, k_scale, v_proxy, v_data, v_scale
 
 
 def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd", cos: Optional[Tensor] = None,
@@ -941,13 +1056,19 @@ def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd", 
     may be strided slices of one [..., H, 256] projection (read in place where the backend can). A
     plain eager call is one graph node around one `mla_kv_quantize` op (on the Triton backend one
     kernel launch writing k's and v's codes and scales, k_pe rotated in it; no bf16 concatenation is
-    written); compile tracing and tensor subclasses take the composition of the custom ops (rope, then
-    quantize of the concatenation and of v: the same bytes)."""
+    written); under torch.compile plain tensors take the same op as the custom op `mxmla::mla_kv_mxfp8`
+    (backward `mxmla::mla_kv_mxfp8_backward`), its backend resolved at trace time; tensor subclasses
+    (DTensor) take the composition of the custom ops (rope, then quantize of the concatenation and of
+    v: the same bytes)."""
     seq, head = _check_kv(k_nope, k_pe, v, layout, cos, sin)
-    if not plain_eager((k_nope, k_pe, v, cos, sin)):
+    tensors = (k_nope, k_pe, v, cos, sin)
+    if plain_eager(tensors):
+        outs = _KVQuant.apply(k_nope, k_pe, v, cos, sin, layout, head, backend)
+    elif plain_classes(tensors):
+        outs = _kv_compiled(k_nope, k_pe, v, layout, backend, cos, sin)
+    else:
         return _kv_composed(k_nope, k_pe, v, layout, backend, cos, sin)
-    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = _KVQuant.apply(k_nope, k_pe, v, cos, sin, layout, head,
-                                                                        backend)
+    k_proxy, k_data, k_scale, v_proxy, v_data, v_scale = outs
     return (TrackedMXTensor(k_data.view(torch.float8_e4m3fn), k_scale, k_data.dim() - 1, "e4m3", "compact", k_proxy),
             TrackedMXTensor(v_data.view(torch.float8_e4m3fn), v_scale, seq, "e4m3", "compact", v_proxy))
 
@@ -957,6 +1078,8 @@ OPS = {
     "mxfp8_dequantize": _dequantize_op,
     "rope": _rope_op,
     "rope_backward": _rope_backward_op,
+    "mla_kv_mxfp8": _kv_op,
+    "mla_kv_mxfp8_backward": _kv_backward_op,
     "mla_q_uproj_rope_quant": _mla_q_op,
     "mla_q_uproj_rope_quant_backward": _mla_q_backward_op,
     "rmsnorm_mxfp8": _rmsnorm_op,

@@ -1,0 +1,154 @@
+"""Backend choices made once, when torch.compile traces, and run without `dispatch.run`.
+
+    choice = resolve("mla_attention", q, k, v, causal=True, backend=None)    # "=triton" / "=triton:pointer"
+    o, lse = run("mla_attention", q, k, v, causal=True, backend=choice)      # the chosen function, called directly
+
+`dispatch.run` chooses a backend (and kernel variant) per call: a cache lookup keyed on the call's
+signature, index-value checks, then the call. That Python runs on every call, also inside a compiled
+graph's custom ops. Under torch.compile the dispatch.autograd wrappers instead resolve the choice while
+dynamo traces (`resolve`): the call's shapes, strides, dtypes and devices are compile-time constants
+there, so the choice -- everything `dispatch.select` reads -- is one too. It travels into the custom op as
+its `backend` string, marked resolved by a leading "=", and the op calls the chosen implementation
+directly (`run`). A compiled step then runs no selection Python: no `dispatch.run`, no signature, no
+validation (spec's validators ran on the traced shapes when the choice was made).
+
+What a resolved choice fixes at trace time, and so for the life of the compiled graph (dynamo's guards
+on shapes, dtypes and devices recompile it when those change):
+- the MXMLA_BACKEND value and `backend=` argument of the trace; a later change of MXMLA_BACKEND
+  takes effect on the next trace (`torch._dynamo.reset()`), not on the running graph;
+- data-pointer alignment: traced tensors have no address, so the choice assumes 16-byte-aligned data
+  (what every fresh allocation and every compiled graph's buffers have). A variant that needs it and is
+  handed a misaligned view by the caller raises in its launcher instead of being passed over;
+- index values (cu_seqlens, positions) are not checked per call (the eager rule: CPU index tensors
+  are; CUDA ones only with MXMLA_CHECK_VALUES=1).
+
+The choice is made by `dispatch.select` on stand-ins: tensors with the traced tensors' shape, strides,
+dtype and device but no storage (`_StandIn`; a capability check that reads data raises, and the
+registry counts that as a reason, never as a pass). dynamo calls the chooser at trace time as a
+constant function (`torch.compiler.assume_constant_result`) on a description of the arguments; the
+autograd rules (traced by AOTAutograd, not dynamo) call it directly on the fake tensors' metadata.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Tuple
+
+import torch
+
+import dispatch as _dispatch
+import backends as _backends
+from spec.mxtensor import MXTensor
+
+__all__ = ["RESOLVED", "resolve", "resolve_described", "describe", "stand_in", "contiguous_like", "is_resolved", "request_of", "run"]
+
+RESOLVED = "="  # leading mark of a backend string that names a resolved choice: "=choice;request"
+
+
+def is_resolved(backend: Any) -> bool:
+    return isinstance(backend, str) and backend.startswith(RESOLVED)
+
+
+def request_of(backend: Optional[str]) -> Optional[str]:
+    """The caller's `backend=` request a resolved string was made from (None: automatic / MXMLA_BACKEND);
+    an unresolved string is its own request. Other ops of the same call (a backward, an operand's
+    quantization) are resolved from it."""
+    if not is_resolved(backend):
+        return backend
+    return backend.partition(";")[2] or None
+
+
+class _StandIn(torch.Tensor):
+    """A tensor of a traced tensor's metadata without storage, for capability checks: shape, strides,
+    dtype, device; data_ptr() 0 (aligned); any op on it raises."""
+
+    @staticmethod
+    def __new__(cls, shape, stride, dtype, device):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, strides=stride, dtype=dtype, device=device)
+
+    def data_ptr(self) -> int:
+        return 0
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"a stand-in for backend selection holds no data ({func})")
+
+
+def describe(v: Any) -> Any:
+    """A hashable description of an argument: tensors by (shape, strides, dtype, device), MXTensors by
+    their parts, sequences element-wise, anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+    if isinstance(v, MXTensor):
+        return ("mx", describe(v.data), describe(v.scale), v.axis, v.elem, v.scale_layout)
+    if isinstance(v, (tuple, list)):
+        return ("seq", type(v) is list, tuple(describe(x) for x in v))
+    return ("value", v)
+
+
+def stand_in(shape, dtype: torch.dtype, device) -> _StandIn:
+    """A stand-in of a contiguous tensor of `shape`, `dtype`, `device` (metadata only): for an autograd
+    rule that resolves its backward op on what that op's custom op will pass on."""
+    shape = tuple(int(n) for n in shape)
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return _StandIn(shape, tuple(reversed(stride)), dtype, torch.device(device))
+
+
+def contiguous_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> _StandIn:
+    """A stand-in of `t.contiguous()` (viewed as `dtype` when given)."""
+    return stand_in(t.shape, t.dtype if dtype is None else dtype, t.device)
+
+
+def _rebuild(d: Any) -> Any:
+    kind = d[0]
+    if kind == "tensor":
+        return _StandIn(*d[1:])
+    if kind == "mx":
+        return MXTensor(_rebuild(d[1]), _rebuild(d[2]), d[3], d[4], d[5])
+    if kind == "seq":
+        items = [_rebuild(x) for x in d[2]]
+        return items if d[1] else tuple(items)
+    return d[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _choose(op: str, backend: Optional[str], args: Tuple, kwargs: Tuple, env: Any) -> str:
+    del env  # a cache key only: the selection reads MXMLA_BACKEND itself
+    # dispatch.select without its index-value checks (they read data; a stand-in has none)
+    _, impl, variant, _ = _dispatch._select(op, backend, tuple(_rebuild(a) for a in args),
+                                            {k: _rebuild(v) for k, v in kwargs})
+    return f"{RESOLVED}{impl.backend}{':' + variant if variant else ''};{backend or ''}"
+
+
+@torch.compiler.assume_constant_result
+def resolve_described(op: str, backend: Optional[str], args: Tuple, kwargs: Tuple) -> str:
+    """The resolved choice for described arguments (`describe`): a constant to dynamo, cached per
+    description and MXMLA_BACKEND value."""
+    return _choose(op, backend, args, kwargs, _dispatch._env_raw() if backend is None else None)
+
+
+def resolve(op: str, *args, backend: Optional[str] = None, **kwargs) -> str:
+    """The choice `dispatch.run(op, *args, backend=backend, **kwargs)` would make, resolved: "=" +
+    `dispatch.select`'s answer + ";" + the request. A resolved `backend` (another op's) stands for its
+    request. Raises what dispatch.run would (spec's validators on the shapes, BackendUnavailable)."""
+    return resolve_described(op, request_of(backend), tuple(describe(a) for a in args),
+                             tuple((k, describe(v)) for k, v in kwargs.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _function(op: str, choice: str):
+    name, _, variant = choice[len(RESOLVED):].partition(";")[0].partition(":")
+    _backends.load()
+    impl = _backends.implementations(op).get(name)
+    if impl is None:
+        raise _dispatch.DispatchConfigError(f"backend: {choice!r} names no implementation of {op}")
+    return functools.partial(impl.fn, variant=variant) if variant else impl.fn
+
+
+def run(op: str, *args, backend: Optional[str] = None, **kwargs):
+    """`dispatch.run`, or for a resolved `backend` the chosen implementation called directly."""
+    if is_resolved(backend):
+        return _function(op, backend)(*args, **kwargs)
+    return _dispatch.run(op, *args, backend=backend, **kwargs)
