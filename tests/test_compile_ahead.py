@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 
-from backends.triton import _common, compile_ahead, pretuned
-from tests.test_fast_launch import _launch, toy  # noqa: F401 (fixture)
+pytest.importorskip("triton")
+from backends.triton import _common, compile_ahead, pretuned  # noqa: E402
+from tests.test_fast_launch import _launch, toy  # noqa: E402, F401 (fixture)
 
 
 class _FakeJit:

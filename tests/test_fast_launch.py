@@ -8,11 +8,12 @@ import weakref
 
 import pytest
 import torch
-import triton
-import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from backends.triton import _common
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from backends.triton import _common  # noqa: E402
 
 
 def _toy(x_ptr, y_ptr, n, scale, BLOCK: tl.constexpr, MASKED: tl.constexpr, MODE: tl.constexpr = 3):
