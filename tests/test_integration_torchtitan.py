@@ -1,0 +1,284 @@
+"""dispatch.integrations.torchtitan on tiny random-init TorchTitan DeepSeek-V3 models (CPU, no downloads).
+
+Bounds (relative Frobenius error of the loss's gradients against stock TorchTitan in fp32):
+- bf16 path: 2^-7 -- q, k, v and the attention's output each rounded once to bf16 (relative 2^-9 each,
+  half an ulp of 2^-8), composed through a few products; the measured errors are about 3e-3.
+- mxfp8 path: 2^-4, e4m3's half-ulp (relative 2^-4): q, k, v each carry one e4m3 rounding.
+Losses: 2^-8 relative on both paths (the loss averages many tokens' errors).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchtitan", reason="needs TorchTitan (pip install 'mxmla[torchtitan]')")
+
+from dispatch.integrations import torchtitan as tt  # noqa: E402
+from tests import titan_models as tm  # noqa: E402
+
+from torchtitan.models.common.attention import (  # noqa: E402
+    VarlenAttention,
+    create_varlen_metadata_for_document,
+    get_causal_mask_mod,
+    get_sliding_window_mask_mod,
+)
+from torchtitan.models.common.rope import CosSinRoPE  # noqa: E402
+from torchtitan.models.deepseek_v3.model import Attention  # noqa: E402
+from torch.nn.attention.flex_attention import and_masks, create_block_mask  # noqa: E402
+
+GRAD_BOUND = {"bf16": 2.0 ** -7, "mxfp8": 2.0 ** -4}
+LOSS_BOUND = 2.0 ** -8
+B, S = 2, 64
+
+
+def _pair(path, seed=0, **kw):
+    """(stock, converted) models with the same initial parameters."""
+    cfg = tm.deepseek_v3_config(**kw)
+    stock = tm.build(copy.deepcopy(cfg), seed)
+    converted = tm.build(tt.convert_deepseek_v3(copy.deepcopy(cfg), path=path), seed)
+    return stock, converted
+
+
+def _loss(model, tokens, positions, masks):
+    logits = model(tokens, positions, masks)
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _compare(stock, converted, tokens, positions, masks, path):
+    ls = _loss(stock, tokens, positions, masks)
+    ls.backward()
+    lc = _loss(converted, tokens, positions, masks)
+    lc.backward()
+    assert abs(lc.item() - ls.item()) <= LOSS_BOUND * abs(ls.item())
+    for (name, p), (name_c, pc) in zip(stock.named_parameters(), converted.named_parameters()):
+        assert name == name_c
+        assert pc.grad is not None, name
+        assert _rel(pc.grad, p.grad) <= GRAD_BOUND[path], (name, _rel(pc.grad, p.grad))
+
+
+def _served(model):
+    attn = [m for m in model.modules() if isinstance(m, tt.MXMLAAttention)]
+    return sum(m.mxmla_served for m in attn), sum((m.mxmla_fallbacks for m in attn), start=__import__("collections").Counter())
+
+
+# ---- conversion -----------------------------------------------------------------------------------
+
+def test_convert_replaces_every_attention_and_keeps_fields_params_and_state_dict():
+    cfg = tm.deepseek_v3_config(layers=3)
+    stock = tm.build(copy.deepcopy(cfg))
+    fields = ("dim", "n_heads", "q_lora_rank", "kv_lora_rank", "mscale", "wq_b", "rope", "inner_attention")
+    originals = [{f: getattr(layer.attention, f) for f in fields} for layer in cfg.layers]
+    converted_cfg = tt.convert_deepseek_v3(cfg, path="bf16", backend="torch")
+    for layer, original in zip(converted_cfg.layers, originals):
+        attn = layer.attention
+        assert type(attn) is tt.MXMLAAttention.Config and isinstance(attn, Attention.Config)
+        assert (attn.path, attn.backend, attn.quantize_grad) == ("bf16", "torch", True)
+        assert all(getattr(attn, f) is original[f] for f in fields)
+    converted = tm.build(converted_cfg)
+    assert all(isinstance(b.attention, tt.MXMLAAttention) for b in converted.layers.values())
+    sd, sd_c = stock.state_dict(), converted.state_dict()
+    assert list(sd) == list(sd_c)
+    assert all(torch.equal(sd[k], sd_c[k]) for k in sd)
+    converted.load_state_dict(sd)  # stock's checkpoints load as they are
+
+
+def test_converter_through_model_registry_and_override_entry():
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    spec = model_registry("debugmodel", converters=[tt.MXMLAConverter.Config(path="bf16")])
+    layers = list(spec.model.layers)
+    assert layers and all(type(layer.attention) is tt.MXMLAAttention.Config for layer in layers)
+    assert layers[0].attention.q_lora_rank == 0  # the debug model: wq, no q_lora
+    cfg = tm.deepseek_v3_config()
+    lines = apply_overrides(OverrideConfig(imports=[("dispatch.integrations.torchtitan.mxmla_attention",
+                                                     {"path": "bf16"})]), cfg)
+    assert len(lines) == 2
+    assert all(type(layer.attention) is tt.MXMLAAttention.Config and layer.attention.path == "bf16"
+               for layer in cfg.layers)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(path="fp4"), "path"),
+])
+def test_convert_rejects_bad_arguments(change, message):
+    with pytest.raises(ValueError, match=message):
+        tt.convert_deepseek_v3(tm.deepseek_v3_config(), **change)
+    with pytest.raises(ValueError, match="MXMLAConverter.Config.path"):
+        tt.MXMLAConverter.Config(path="fp4").build()
+    with pytest.raises(ValueError, match="no DeepSeek-V3 Attention.Config"):
+        tt.convert_deepseek_v3(tm.deepseek_v3_config().layers[0].feed_forward)
+    with pytest.raises(TypeError, match="model_config"):
+        tt.convert_deepseek_v3(object())
+
+
+def _edit(cfg, fn):
+    for layer in cfg.layers:
+        fn(layer.attention)
+    return cfg
+
+
+@pytest.mark.parametrize("edit, error, field", [
+    (lambda a: setattr(a, "qk_nope_head_dim", 64), ValueError, "qk_nope_head_dim"),
+    (lambda a: setattr(a, "v_head_dim", 64), ValueError, "v_head_dim"),
+    (lambda a: setattr(a, "rope", CosSinRoPE.Config(dim=64, max_seq_len=128)), TypeError, "rope"),
+    (lambda a: setattr(a.wq_b, "bias", True), ValueError, "wq_b.bias"),
+    (lambda a: setattr(a.q_norm, "elementwise_affine", False), ValueError, "q_norm.elementwise_affine"),
+])
+def test_convert_raises_naming_the_field(edit, error, field):
+    with pytest.raises(error, match=field) as info:
+        tt.convert_deepseek_v3(_edit(tm.deepseek_v3_config(), edit), path="bf16")
+    assert "layers.0.attention" in str(info.value)
+
+
+def test_convert_mxfp8_needs_q_lora_and_dim_multiples_of_32():
+    with pytest.raises(ValueError, match="q_lora_rank"):
+        tt.convert_deepseek_v3(tm.deepseek_v3_config(q_lora_rank=48), path="mxfp8")
+    with pytest.raises(ValueError, match=r"\.dim"):
+        tt.convert_deepseek_v3(tm.deepseek_v3_config(q_lora_rank=0, dim=80), path="mxfp8")
+    tt.convert_deepseek_v3(tm.deepseek_v3_config(q_lora_rank=48), path="bf16")  # bf16 has no such need
+
+
+# ---- numerics against stock ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("q_lora_rank", [32, 0])
+def test_loss_and_gradients_match_stock_causal(path, q_lora_rank):
+    stock, converted = _pair(path, q_lora_rank=q_lora_rank)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 128, (B, S))
+    positions = torch.arange(S).repeat(B, 1)
+    _compare(stock, converted, tokens, positions, tm.causal_block_mask(B, S), path)
+    served, fallbacks = _served(converted)
+    assert served == 2 and not fallbacks
+
+
+@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("masks", ["flex", "varlen"])
+def test_packed_documents_match_stock(path, masks):
+    inner = VarlenAttention.Config() if masks == "varlen" else None
+    cfg = tm.deepseek_v3_config(inner_attention=inner)
+    stock_cfg = tm.deepseek_v3_config()  # stock's reference evaluates either mask densely
+    stock = tm.build(stock_cfg)
+    converted = tm.build(tt.convert_deepseek_v3(cfg, path=path))
+    torch.manual_seed(2)
+    tokens = torch.randint(0, 128, (B, S))
+    positions = tm.packed_positions(B, S, [20, 7, 37])
+    if masks == "varlen":
+        meta = create_varlen_metadata_for_document(positions)
+        ls = _loss(stock, tokens, positions, meta)
+        lc = _loss(converted, tokens, positions, meta)
+    else:
+        mask = tm.document_block_mask(positions)
+        ls = _loss(stock, tokens, positions, mask)
+        lc = _loss(converted, tokens, positions, mask)
+    ls.backward()
+    lc.backward()
+    assert abs(lc.item() - ls.item()) <= LOSS_BOUND * abs(ls.item())
+    for (name, p), pc in zip(stock.named_parameters(), converted.parameters()):
+        assert _rel(pc.grad, p.grad) <= GRAD_BOUND[path], name
+    served, fallbacks = _served(converted)
+    assert served == 2 and not fallbacks
+
+
+def test_document_cu_seqlens_cut_rows_and_documents():
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
+    cu = tt.document_cu_seqlens(positions, 2, 6)
+    assert cu.dtype == torch.int32 and cu.shape == (13,)
+    assert cu.tolist() == [0, 3, 5, 6, 8] + [12] * 8
+
+
+@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
+def test_adamw_steps_track_stock(path):
+    stock, converted = _pair(path, layers=1)
+    opts = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in (stock, converted)]
+    torch.manual_seed(3)
+    seq = 32
+    data = torch.randint(0, 128, (10, B, seq))
+    positions = torch.arange(seq).repeat(B, 1)
+    mask = tm.causal_block_mask(B, seq)
+    losses = []
+    for tokens in data:
+        step = []
+        for model, opt in zip((stock, converted), opts):
+            opt.zero_grad()
+            loss = _loss(model, tokens, positions, mask)
+            loss.backward()
+            opt.step()
+            step.append(loss.item())
+        losses.append(step)
+    assert losses[-1][0] < losses[0][0]  # stock learns
+    for s, c in losses:
+        assert abs(c - s) <= 2.0 ** -6 * s, losses  # 2^-6: ten steps compound the per-step 2^-8
+
+
+# ---- what runs stock ------------------------------------------------------------------------------
+
+def _fallback_case(path, masks, positions, seq=S, inner=None, expect_raise=None):
+    cfg = tm.deepseek_v3_config(inner_attention=inner)
+    stock = tm.build(copy.deepcopy(cfg))
+    converted = tm.build(tt.convert_deepseek_v3(copy.deepcopy(cfg), path=path))
+    tokens = torch.randint(0, 128, (B, seq))
+    if expect_raise is not None:
+        with pytest.raises(expect_raise):
+            converted(tokens, positions, masks)
+        return converted
+    with torch.no_grad():
+        out_s = stock(tokens, positions, masks)
+        out_c = converted(tokens, positions, masks)
+    assert torch.equal(out_s, out_c)  # stock's forward, bit for bit
+    return converted
+
+
+@pytest.mark.parametrize("case", ["seq48", "sliding", "no_positions", "window", "none"])
+def test_unservable_calls_run_stock_with_a_logged_reason(case, caplog):
+    tt._logged.clear()
+    positions = torch.arange(S).repeat(B, 1)
+    with caplog.at_level(logging.WARNING, logger="mxmla.integrations"):
+        if case == "seq48":
+            seq = 48
+            model = _fallback_case("mxfp8", tm.causal_block_mask(B, seq), torch.arange(seq).repeat(B, 1), seq)
+            reason = "not a multiple of 32"
+        elif case == "sliding":
+            mods = and_masks(get_causal_mask_mod(), get_sliding_window_mask_mod(16))
+            mask = create_block_mask(mods, B, None, S, S, device="cpu")
+            model = _fallback_case("bf16", mask, positions)
+            reason = "cannot map"
+        elif case == "no_positions":
+            model = _fallback_case("bf16", tm.document_block_mask(tm.packed_positions(B, S, [20])), None)
+            reason = "without positions"
+        elif case == "window":
+            meta = create_varlen_metadata_for_document(positions)
+            # stock's varlen_attn has no CPU kernel: its own error shows stock's forward ran
+            model = _fallback_case("bf16", meta, positions, inner=VarlenAttention.Config(window_size=(16, 0)),
+                                   expect_raise=(NotImplementedError, RuntimeError))
+            reason = "window_size"
+        else:
+            model = _fallback_case("bf16", None, positions, expect_raise=(AssertionError, TypeError))
+            reason = "None"
+    served, fallbacks = _served(model)
+    # both layers fell back (one where stock's forward raised at the first layer)
+    assert served == 0 and sum(fallbacks.values()) == (1 if case in ("window", "none") else 2)
+    assert len(fallbacks) == 1 and reason in next(iter(fallbacks))
+    logged = [r for r in caplog.records if r.name == "mxmla.integrations"]
+    assert len(logged) == 1 and reason in logged[0].getMessage()  # once per reason, not per layer
+
+
+def test_context_parallel_runs_stock():
+    cfg = tm.deepseek_v3_config()
+    converted = tm.build(tt.convert_deepseek_v3(cfg, path="bf16"))
+    for block in converted.layers.values():
+        block.attention._context_parallel = True
+    tokens = torch.randint(0, 128, (B, S))
+    with torch.no_grad():
+        converted(tokens, torch.arange(S).repeat(B, 1), tm.causal_block_mask(B, S))
+    served, fallbacks = _served(converted)
+    assert served == 0 and "context parallelism" in next(iter(fallbacks))
