@@ -1,6 +1,6 @@
-"""compile_ahead: a recorded workload's kernels handed to background compilation at the first launch
-that matches one of its calls, a launch waiting for its own pending compilation, and the recording
-fast_launch feeds. On the CPU, Triton's compile is a recorder (the fast_launch tests' toy kernel) and
+"""compile_ahead: a recorded workload's kernels handed to background compilation at the launch that
+opens it, each distinct compilation once, a launch waiting for its call's pending compilations, calls
+matched by what Triton specializes on (not the shape), and the recording fast_launch feeds. On the CPU, Triton's compile is a recorder (the fast_launch tests' toy kernel) and
 the compile of an entry is a stand-in JIT function whose warmup records its arguments; the GPU run of
 the recorded DeepSeek-V3 lists is in BENCHMARKS.md (first step)."""
 import json
@@ -34,13 +34,13 @@ def _entry(call, fn="pkg.mod._k", args=(["tensor", "bfloat16", True], ["int", 40
 
 @pytest.fixture
 def gpu_lists(tmp_path, monkeypatch):
-    """A fake CUDA device named 'Fake GPU' whose compile list lives in tmp_path; yields (write, log,
+    """A fake sm90 CUDA device whose compile list lives in tmp_path; yields (write, log,
     jits): write(workloads) stores the list, jits maps fn names to _FakeJit."""
     log, jits = [], {}
     monkeypatch.setattr(pretuned, "DIR", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(compile_ahead, "_jit_function", lambda name: jits[name])
     monkeypatch.setattr(compile_ahead, "triton_fingerprint", lambda: None)
@@ -49,8 +49,8 @@ def gpu_lists(tmp_path, monkeypatch):
     compile_ahead.reset()
 
     def write(workloads):
-        path = tmp_path / ("fake_gpu" + compile_ahead.SUFFIX)
-        path.write_text(json.dumps({"device": "Fake GPU", "workloads": workloads}))
+        path = tmp_path / ("sm90" + compile_ahead.SUFFIX)
+        path.write_text(json.dumps({"arch": "sm90", "device": "Fake GPU", "workloads": workloads}))
         compile_ahead.reset()
 
     yield write, log, jits
@@ -126,54 +126,99 @@ def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
     assert len(launches) == 1
 
 
-def test_first_matching_launch_compiles_the_rest_ahead(gpu_lists, monkeypatch):
+def test_calls_match_by_specialization_not_shape(toy):  # noqa: F811
+    """Triton compiles once per constexpr values and runtime-value class (an int's width, == 1, a
+    multiple of 16): calls differing only within a class are one call."""
+    kernel, _ = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+
+    def sig(n, scale=0.5, **kw):
+        return compile_ahead.call_signature(kernel, (x, y, n), {"scale": scale, "enable_fp_fusion": False, **kw})
+
+    assert sig(1024) == sig(4096) == sig(16 * 12345)
+    assert len({sig(1024), sig(1000), sig(1), sig(1 << 33)}) == 4
+    assert sig(1024, scale=0.25) == sig(1024)
+    assert sig(1024, MODE=4) != sig(1024, MODE=5)  # a constexpr exactly
+    assert sig(1024) != compile_ahead.call_signature(kernel, (x, y.double(), 1024), {"scale": 0.5, "enable_fp_fusion": False})
+    # a list recorded with exact values reads in the same form
+    exact = json.dumps([compile_ahead._layers(kernel), ["scale", "enable_fp_fusion"],
+                        [["tensor", "float32", True], ["tensor", "float32", True], ["int", 2048], ["float", 0.1],
+                         ["bool", False]]])
+    read = compile_ahead._match_string(*json.loads(exact), compile_ahead.pretuned._base_function(kernel))
+    assert read == sig(4096)
+
+
+def _n(n):
+    """An entry's compile arguments differing in the int (a distinct compilation per n)."""
+    return (["tensor", "bfloat16", True], ["int", n], ["bool", True])
+
+
+def test_opening_launch_compiles_its_workloads_ahead(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
-    write({"w1": [_entry("s"), _entry("a"),
+    # two workloads opened by the same first call (one path at two shapes): their union, each distinct
+    # compilation once; w3 starts elsewhere
+    write({"w1": [_entry("s", args=_n(1)), _entry("a", args=_n(2)),
                   _entry("b", args=(["tensor", "float8_e4m3fn", True], ["int", 1], ["bool", False])),
-                  _entry("c", options={"num_warps": 8, "maxnreg": 128})],
-           "w2": [_entry("s"), _entry("d")]})
+                  _entry("c", args=_n(2), options={"num_warps": 8, "maxnreg": 128})],
+           "w2": [_entry("s", args=_n(1)), _entry("s", args=_n(3)), _entry("a", args=_n(2))],
+           "w3": [_entry("t", args=_n(4)), _entry("e", args=_n(5))]})
     monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])  # calls by name
     compile_ahead.before_compile(None, ("zzz",), {})  # matches nothing: nothing starts
-    compile_ahead.before_compile(None, ("s",), {})  # both workloads make it: neither starts
     compile_ahead.wait()
     assert log == []
-    compile_ahead.before_compile(None, ("a",), {})
+    compile_ahead.before_compile(None, ("s",), {})  # waits for s's two compilations
+    assert {a[1] for a, _ in log} >= {1, 3}
     compile_ahead.wait()
-    # s, b and c compiled ahead (a is the launching call's own), with the stand-ins warmup takes
     assert sorted(log, key=repr) == sorted([
-        ((torch.bfloat16, 4096, True), {"num_warps": 4}),
+        ((torch.bfloat16, 1, True), {"num_warps": 4}),
+        ((torch.bfloat16, 3, True), {"num_warps": 4}),
+        ((torch.bfloat16, 2, True), {"num_warps": 4}),
         ((torch.float8_e4m3fn, 1, False), {"num_warps": 4}),
-        ((torch.bfloat16, 4096, True), {"num_warps": 8, "maxnreg": 128}),
+        ((torch.bfloat16, 2, True), {"num_warps": 8, "maxnreg": 128}),
     ], key=repr)
-    assert len(log) == 3
-    compile_ahead.before_compile(None, ("c",), {})  # w1 started already: nothing again
+    compile_ahead.before_compile(None, ("c",), {})  # started already: nothing again
     compile_ahead.wait()
-    assert len(log) == 3
+    assert len(log) == 5
+    compile_ahead.before_compile(None, ("e",), {})  # only w3 makes it: w3 opens
+    compile_ahead.wait()
+    assert len(log) == 7
 
+
+def test_a_call_several_workloads_make_opens_none(gpu_lists, monkeypatch):
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    write({"bf16": [_entry("q", args=_n(1)), _entry("k", args=_n(2))],
+           "mxfp8": [_entry("r", args=_n(3)), _entry("k", args=_n(2))]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    compile_ahead.before_compile(None, ("k",), {})
+    compile_ahead.wait()
+    assert log == []
 
 
 def test_launch_waits_for_its_pending_compile(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
-    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log, delay=0.3)
-    write({"w": [_entry("a"), _entry("b")]})
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    jits["pkg.mod._slow"] = _FakeJit(["x", "n", "FLAG"], log, delay=0.5)
+    write({"w": [_entry("a", args=_n(1)), _entry("b", fn="pkg.mod._slow", args=_n(2))]})
     monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
-    compile_ahead.before_compile(None, ("a",), {})
-    t0 = time.perf_counter()
-    compile_ahead.before_compile(None, ("b",), {})  # b compiles in the background: wait for it
-    assert time.perf_counter() - t0 >= 0.25 and len(log) == 1
+    compile_ahead.before_compile(None, ("a",), {})  # a's own compilation (fast) waited for, b's runs
+    assert len(log) == 1
+    compile_ahead.before_compile(None, ("b",), {})  # b's: waited for
+    assert len(log) == 2
 
 
 def test_stale_or_failing_entries_are_dropped(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n"], log)  # the kernel lost a parameter since the recording
     jits["pkg.mod._ok"] = _FakeJit(["x", "n", "FLAG"], log)
-    write({"w": [_entry("a"), _entry("b"), _entry("c", fn="pkg.mod._ok"),
+    write({"w": [_entry("a", fn="pkg.mod._ok", args=_n(7)), _entry("b"), _entry("c", fn="pkg.mod._ok"),
                  _entry("d", fn="pkg.mod._ok", args=(["tensor", "bfloat16", False], ["int", 1], ["bool", True]))]})
     monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
     compile_ahead.before_compile(None, ("a",), {})
     compile_ahead.wait()  # b (stale) and d (a misaligned pointer) fail in the background, quietly
-    assert log == [((torch.bfloat16, 4096, True), {"num_warps": 4})]
+    assert sorted(log, key=repr) == [((torch.bfloat16, 4096, True), {"num_warps": 4}),
+                                     ((torch.bfloat16, 7, True), {"num_warps": 4})]
     compile_ahead.before_compile(None, ("b",), {})  # its failed compile: the launch goes on
 
 
@@ -189,7 +234,7 @@ def test_switch_and_missing_or_unreadable_lists(gpu_lists, monkeypatch, tmp_path
     with pytest.raises(ValueError, match="MXMLA_TRITON_COMPILE_AHEAD"):
         compile_ahead.before_compile(None, ("a",), {})
     monkeypatch.delenv("MXMLA_TRITON_COMPILE_AHEAD")
-    (tmp_path / ("fake_gpu" + compile_ahead.SUFFIX)).write_text("{not json")
+    (tmp_path / ("sm90" + compile_ahead.SUFFIX)).write_text("{not json")
     compile_ahead.reset()
     compile_ahead.before_compile(None, ("a",), {})
     compile_ahead.wait()

@@ -78,7 +78,7 @@ def test_shipped_tables_parse():
         with open(os.path.join(pretuned.DIR, fname)) as f:
             data = json.load(f)
         if fname.endswith(".compile.json"):  # compile_ahead's lists: workload -> [{call, compile}]
-            assert pretuned.device_slug(data["device"]) + ".compile.json" == fname
+            assert data["arch"] + ".compile.json" == fname
             for entries in data["workloads"].values():
                 assert all(set(e) == {"call", "compile"} and set(e["compile"]) == {"fn", "args", "options"}
                            for e in entries)

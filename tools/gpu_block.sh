@@ -57,15 +57,15 @@ for phase in ${*:-test mla_q block}; do
     ;;
   pretune)
     # record the autotuners' choices for the block's shapes (full autotuning), into the tree the later
-    # phases run from and into $OUT (to commit)
-    MXMLA_TRITON_PRETUNED=0 timeout -s INT "${PRETUNE_CAP:-240}" python3 tools/record_pretuned.py \
-      ${PRETUNE_ARGS:-} > "$OUT/pretune_$COMMIT.log" 2>&1
+    # phases run from and into $OUT (to compare with the heuristic tiles, or commit where they lose)
+    MXMLA_TRITON_AUTOTUNE=1 MXMLA_TRITON_PRETUNED=0 timeout -s INT "${PRETUNE_CAP:-240}" python3 tools/record_pretuned.py \
+      --what pretuned ${PRETUNE_ARGS:-} > "$OUT/pretune_$COMMIT.log" 2>&1
     summary+=("record_pretuned rc=$? $((SECONDS-start)) s")
     mkdir -p "$OUT/pretuned" && cp backends/triton/pretuned/*.json "$OUT/pretuned/" 2>/dev/null
     tail -20 "$OUT/pretune_$COMMIT.log"
     ;;
   record)
-    # the block's launches per workload, for compile_ahead (tiles from the shipped tables), into the tree
+    # the block's launches per workload, for compile_ahead (heuristic tiles), into the tree
     # the later phases run from and into $OUT (to commit)
     timeout -s INT "${RECORD_CAP:-200}" python3 tools/record_pretuned.py --what compile ${RECORD_ARGS:-} \
       > "$OUT/record_$COMMIT.log" 2>&1

@@ -1,16 +1,19 @@
 #!/usr/bin/env python
-"""Record the autotuners' choices and the kernels compiled for the DeepSeek-V3 block on this GPU into
-backends/triton/pretuned/<device>.json (backends/triton/pretuned.py) and <device>.compile.json
-(backends/triton/compile_ahead.py).
+"""Record the kernels the DeepSeek-V3 block compiles on this GPU's architecture into
+backends/triton/pretuned/<arch>.compile.json (backends/triton/compile_ahead.py), and optionally the
+autotuners' choices into <device>.json (backends/triton/pretuned.py).
 
-    MXMLA_TRITON_PRETUNED=0 python tools/record_pretuned.py [--shapes B1S4096,B2S4096,B1S16384] [--out DIR]
-    python tools/record_pretuned.py --what compile      # the compile lists only, tiles from the tables
+    python tools/record_pretuned.py [--shapes B1S4096,B1S16384] [--out DIR]            # compile lists
+    MXMLA_TRITON_AUTOTUNE=1 MXMLA_TRITON_PRETUNED=0 python tools/record_pretuned.py --what pretuned,compile
 
-Runs forward + backward of examples/mla_block.py's block on the mxfp8 and bf16 paths at each shape
-(every autotuned kernel of those paths meets its DeepSeek-V3 keys), each under
-compile_ahead.recording() as its own workload, then writes every registered autotuner's cache and the
-workloads' launches. Run it with MXMLA_TRITON_PRETUNED=0 so that every choice is timed here; with the
-tables on (the default), the recorded choices are kept and only keys they lack are timed and added.
+Runs forward + backward of examples/mla_block.py's block on the mxfp8 and bf16 paths at each shape,
+and of transformers' DeepseekV3Attention patched to mxfp8 (where transformers is installed), each under
+compile_ahead.recording() as its own workload, then writes the workloads' launches. The lists match
+launches by what Triton specializes on, not by shape, so a few shapes cover every token and head
+count; they are recorded at two token counts because the heuristic tiles of some kernels change with
+the token count (rmsnorm's programs per band). A table of tile choices (--what pretuned) needs the
+autotuners to time (MXMLA_TRITON_AUTOTUNE=1; with MXMLA_TRITON_PRETUNED=0 every choice is timed here)
+and pays only where the heuristic tiles (backends/triton/tile_choice.py) lose on that GPU.
 """
 import argparse
 import json
@@ -24,40 +27,56 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from backends import settings  # noqa: E402
 from backends.triton import _common, compile_ahead, pretuned  # noqa: E402
+
+
+def _record(name: str, step, workloads: dict) -> None:
+    _common.clear_fast_launches()  # every launch of this workload resolved (and noted) afresh
+    with compile_ahead.recording() as launches:
+        for _ in range(2):
+            step()
+        _common.wait_background_compiles()  # a gated fallback's ready launch is noted too
+        step()
+    torch.cuda.synchronize()
+    workloads[name] = list(launches.values())
+    torch.cuda.empty_cache()
+    print(f"{name}: done, {len(launches)} launches to compile ahead", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="B1S4096,B2S4096,B1S16384")
+    ap.add_argument("--shapes", default="B1S4096,B1S16384")
     ap.add_argument("--paths", default="mxfp8,bf16")
-    ap.add_argument("--out", default=pretuned.DIR, help="folder for <device>.json and <device>.compile.json")
-    ap.add_argument("--what", default="pretuned,compile", help="comma list of pretuned, compile")
+    ap.add_argument("--no-hf", action="store_true", help="skip the patched transformers attention workload")
+    ap.add_argument("--out", default=pretuned.DIR, help="folder for <arch>.compile.json and <device>.json")
+    ap.add_argument("--what", default="compile", help="comma list of pretuned, compile")
     args = ap.parse_args(argv)
     what = set(args.what.split(","))
     if not what or what - {"pretuned", "compile"}:
         ap.error(f"--what: expected names from pretuned, compile, got {args.what!r}")
+    if "pretuned" in what and not settings.flag("MXMLA_TRITON_AUTOTUNE"):
+        ap.error("--what pretuned records what autotuning chose: run with MXMLA_TRITON_AUTOTUNE=1")
     if not torch.cuda.is_available():
-        print("record_pretuned: needs CUDA (it records this GPU's choices)")
+        print("record_pretuned: needs CUDA (it records this GPU's compilations)")
         return 2
     import bench_block as bb
+    import first_step
 
     workloads = {}
     for shape in args.shapes.split(","):
         b, s = bb.parse_shape(shape)
         for path in args.paths.split(","):
             bench = bb.Bench(bb.block_config(b, s, False), path)
-            _common.clear_fast_launches()  # every launch of this workload resolved (and noted) afresh
-            with compile_ahead.recording() as launches:
-                for _ in range(2):
-                    bench.step()
-                _common.wait_background_compiles()  # a gated fallback's ready launch is noted too
-                bench.step()
-            torch.cuda.synchronize()
-            workloads[f"mla_block {path} B{b}S{s}"] = list(launches.values())
+            _record(f"mla_block {path} B{b}S{s}", bench.step, workloads)
             del bench
-            torch.cuda.empty_cache()
-            print(f"{shape} {path}: done, {len(launches)} launches to compile ahead", flush=True)
+    if not args.no_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("transformers is not installed: no patched-attention workload", flush=True)
+        else:
+            _record("hf_attention mxfp8 B1S4096", first_step._hf_step(first_step.CASES["hf"]), workloads)
     device = torch.cuda.get_device_name()
     os.makedirs(args.out, exist_ok=True)
     if "pretuned" in what:
@@ -70,8 +89,9 @@ def main(argv=None) -> int:
             print(f"{len(rows):3d} keys  {name}")
         print(f"wrote {path}")
     if "compile" in what:
-        path = os.path.join(args.out, pretuned.device_slug(device) + compile_ahead.SUFFIX)
-        compile_ahead.write(path, device, workloads)
+        arch = compile_ahead.arch(torch.cuda.current_device())
+        path = os.path.join(args.out, arch + compile_ahead.SUFFIX)
+        compile_ahead.write(path, arch, device, workloads)
         print(f"wrote {path}")
     return 0
 

@@ -6,15 +6,25 @@ independent, and most of each runs outside the GIL (MLIR passes, LLVM, ptxas), s
 they take little more than the longest one -- once the kernels are known before they are launched.
 
 They are known from a recording. `tools/record_pretuned.py` runs each workload (the DeepSeek-V3 block
-on one path at one shape) under `recording()`, which notes every launch `_common.fast_launch`
+on one path at a few shapes) under `recording()`, which notes every launch `_common.fast_launch`
 resolved: how it was called (the launched object, keyword names, argument values, a tensor by its
 dtype and 16-byte alignment) and what it compiled (the JIT function, every parameter's value after
-autotuner config, heuristics and defaults, and the compile options). The lists ship as
-pretuned/<device slug>.compile.json beside the autotuning table. In a later process on that GPU model,
-the first launch matching a call that one workload alone makes hands the rest of that workload to
-background threads, each compiled with Triton's `warmup` (compiled and loaded, nothing launched) for
-the launching thread's device; a launch whose kernel is still compiling there waits for that
-compilation instead of doing it twice.
+autotuner config, heuristics and defaults, and the compile options). The lists ship per architecture,
+as pretuned/<arch>.compile.json (sm90: the H100 and the H200 alike, since every launch config is a
+function of the shape, tile_choice.py).
+
+A list is keyed by what a launch specializes on, not by the shape it was recorded at: a call matches
+in shape-free form (`call_signature`: constexprs and launch options exactly, a runtime int by its
+width and whether it is 1 or a multiple of 16, a runtime float by its type, a TMA descriptor by its
+block shape and layout), and Triton compiles once per such specialization -- so one recording serves
+every token count, head count and q_lora rank of the DeepSeek-V3 head dims. What does depend on the
+shape (a tile the heuristic picks per shape class, a constexpr the kernel takes from a dimension) is
+covered by recording the workload at a few shapes: a fresh process compiles the union.
+
+In a later process, the first launch that opens a workload (matches its first recorded launch) hands
+every distinct compilation of that workload at all its recorded shapes to background threads, each
+compiled with Triton's `warmup` (compiled and loaded, nothing launched) for the launching thread's
+device; a launch whose call has compilations pending waits for them instead of compiling again.
 
 A list only says what to compile: a launch that matches nothing compiles as it always did, a recorded
 entry that no longer fits its kernel (another signature) is skipped, a failed background compilation
@@ -23,8 +33,9 @@ kernel computes. A TMA descriptor argument (the Gluon kernels') is compiled ahea
 block-shaped tensor: a kernel specializes on its type, dtype, block shape and layout, not on its
 extent. MXMLA_TRITON_COMPILE_AHEAD=0 turns it off.
 
-File format: {"device", "triton", "torch", "workloads": {name: [{"call": ..., "compile": ...}, ...]}}
-with "call" the launch's match string (see `call_signature`) and "compile" {"fn": module.name of the
+File format: {"arch", "device", "triton", "torch", "workloads": {name: [{"call": ..., "compile": ...},
+...]}} with "call" the launch's match string (see `call_signature`; older lists' exact values are
+read in shape-free form), "device" the GPU it was recorded on, and "compile" {"fn": module.name of the
 JIT function, "args": its parameters' encoded values in order, "options": compile options}.
 """
 from __future__ import annotations
@@ -46,9 +57,10 @@ SUFFIX = ".compile.json"
 
 _lock = threading.Lock()
 _recording: Optional[Dict[str, dict]] = None  # call -> entry, while recording() is entered
-_lists: Dict[str, Optional[dict]] = {}         # device name -> {"index": call -> [workload], "workloads"}
-_pending: Dict[tuple, object] = {}             # (device index, call) -> Future of its compilation
+_lists: Dict[str, Optional[dict]] = {}         # arch -> _arch_lists' dict (None: no list)
+_pending: Dict[tuple, list] = {}               # (device index, call) -> Futures of its class's compilations
 _started: set = set()                          # (device index, workload) handed to the threads
+_submitted: set = set()                        # (device index, compile key) handed to the threads
 _POOL = None
 
 
@@ -143,13 +155,82 @@ def _layers(kernel) -> List[str]:
     return out
 
 
+def _int_class(v: int) -> str:
+    """What Triton specializes a non-constexpr int on: its width, and whether it is 1 or a multiple of 16."""
+    width = "i32" if -(1 << 31) <= v < (1 << 31) else "i64"
+    return f"{width}:{'1' if v == 1 else '16' if v % 16 == 0 else 'n'}"
+
+
+def _shape_free(item, exact: bool):
+    """An encoded value as the specialization it selects: a constexpr (exact) as itself, a runtime int
+    by _int_class, a runtime float by its type, a descriptor's shape and strides by _int_class."""
+    if exact:
+        return item
+    kind = item[0]
+    if kind == "int" and type(item[1]) is int:
+        return ["int", _int_class(item[1])]
+    if kind == "float":
+        return ["float"]
+    if kind == "descriptor":
+        return item[:4] + [[_int_class(n) for n in item[4]], [_int_class(n) for n in item[5]]] + item[6:]
+    return item
+
+
+def _shape_free_values(fn, names, values) -> list:
+    """values (encoded, named by `names`) with every runtime value replaced by its class; a name that is
+    no parameter of fn (a launch option) or a constexpr stays exact. Without fn's parameter list (not
+    a JIT function) every value stays exact."""
+    params = getattr(fn, "params", None)
+    if params is None or not hasattr(fn, "arg_names"):
+        return list(values)
+    constexprs = {p.name for p in params if p.is_constexpr}
+    kernel_params = set(fn.arg_names)
+    return [_shape_free(v, n not in kernel_params or n in constexprs) for n, v in zip(names, values)]
+
+
+def _importable_jit(qualified: str):
+    try:
+        return _jit_function(qualified)
+    except (ImportError, AttributeError, ValueError):  # not importable here: values stay exact
+        return None
+
+
+def _match_string(layers, kwnames, values, fn) -> str:
+    arg_names = list(getattr(fn, "arg_names", ()))
+    names = arg_names[:len(values) - len(kwnames)] + list(kwnames)
+    if len(names) == len(values):
+        values = _shape_free_values(fn, names, values)
+    return json.dumps([layers, list(kwnames), values], separators=(",", ":"))
+
+
 def call_signature(kernel, args, kwargs) -> Optional[str]:
-    """The match string of a launch (None when an argument has no encoding)."""
+    """The match string of a launch (None when an argument has no encoding): the launched object, its
+    keyword names and its arguments' values, each runtime value by the specialization it selects
+    (_shape_free), so that a launch at any shape of a recorded class of shapes matches."""
     try:
         values = [_encode(v) for v in (*args, *kwargs.values())]
     except _Unencodable:
         return None
-    return json.dumps([_layers(kernel), list(kwargs), values], separators=(",", ":"))
+    return _match_string(_layers(kernel), list(kwargs), values, pretuned._base_function(kernel))
+
+
+def _normalized_call(stored: str) -> str:
+    """A stored call string in the shape-free form call_signature gives (lists recorded before it kept
+    runtime values exactly); anything not of the recorded form is kept as it is."""
+    try:
+        layers, kwnames, values = json.loads(stored)
+        return _match_string(layers, kwnames, values, _importable_jit(layers[-1]))
+    except (ValueError, TypeError):
+        return stored
+
+
+def _compile_key(spec: dict) -> str:
+    """What an entry compiles: its function, its constexprs and runtime values' classes, its options."""
+    fn = _importable_jit(spec["fn"])
+    values = spec["args"]
+    if len(getattr(fn, "arg_names", ())) == len(values):
+        values = _shape_free_values(fn, list(fn.arg_names), values)
+    return json.dumps([spec.get("fn"), values, spec.get("options")], sort_keys=True, separators=(",", ":"))
 
 
 def enabled() -> bool:
@@ -208,33 +289,48 @@ _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
                       "reg_inc_consumer"))
 
 
-def write(path: str, device: str, workloads: Dict[str, List[dict]]) -> None:
+def write(path: str, arch_name: str, device: str, workloads: Dict[str, List[dict]]) -> None:
     import triton
 
     with open(path, "w") as f:
-        json.dump({"device": device, "triton": triton.__version__, "torch": torch.__version__,
+        json.dump({"arch": arch_name, "device": device, "triton": triton.__version__, "torch": torch.__version__,
                    "workloads": workloads}, f, indent=1, sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # compiling ahead
 # --------------------------------------------------------------------------------------------------
-def _device_lists(device_name: str) -> Optional[dict]:
+def arch(index: int) -> str:
+    """The lists' name for a device: its compute capability ('sm90' for the H100 and the H200)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def _arch_lists(name: str) -> Optional[dict]:
+    """The lists of an architecture, their calls in shape-free form: {"workloads": name -> entries,
+    "index": call -> workloads making it, "openers": call -> workloads whose first launch it is}."""
     with _lock:
-        if device_name not in _lists:
-            path = os.path.join(pretuned.DIR, pretuned.device_slug(device_name) + SUFFIX)
-            try:
-                with open(path) as f:
-                    workloads = json.load(f).get("workloads", {})
-            except (FileNotFoundError, ValueError):  # none recorded, or unreadable: compile as usual
-                _lists[device_name] = None
-                return None
-            index: Dict[str, List[str]] = {}
-            for name, entries in workloads.items():
-                for e in entries:
-                    index.setdefault(e["call"], []).append(name)
-            _lists[device_name] = {"index": index, "workloads": workloads}
-        return _lists[device_name]
+        if name in _lists:
+            return _lists[name]
+    try:
+        with open(os.path.join(pretuned.DIR, name + SUFFIX)) as f:
+            workloads = json.load(f).get("workloads", {})
+    except (FileNotFoundError, ValueError):  # none recorded, or unreadable: compile as usual
+        workloads = None
+    lists = None
+    if workloads is not None:
+        index: Dict[str, List[str]] = {}
+        openers: Dict[str, List[str]] = {}
+        for wname, entries in workloads.items():
+            for i, e in enumerate(entries):
+                e["call"] = _normalized_call(e["call"])
+                if wname not in index.setdefault(e["call"], []):
+                    index[e["call"]].append(wname)
+                if i == 0:
+                    openers.setdefault(e["call"], []).append(wname)
+        lists = {"index": index, "openers": openers, "workloads": workloads}
+    with _lock:
+        return _lists.setdefault(name, lists)
 
 
 def _pool():
@@ -261,38 +357,47 @@ def _compile(index: int, spec: dict) -> None:
 
 
 def before_compile(kernel, args, kwargs) -> None:
-    """fast_launch's hook before a launch it has not resolved yet (the one that compiles): wait for
-    this launch's background compilation if one runs, else, if it opens a recorded workload, start
-    the workload's other compilations."""
+    """fast_launch's hook before a launch it has not resolved yet (the one that compiles): start the
+    workloads it opens, then wait for the background compilations of its call's class, if any.
+
+    A launch opens the workloads whose first recorded launch it matches (the one path's workloads at
+    every recorded shape: their union is compiled, each distinct compilation once), else the one
+    workload that makes its call; a call several workloads make without opening them (the bf16 and
+    MXFP8 blocks' k RoPE backward) opens none."""
     if not enabled() or not torch.cuda.is_available():
         return
     call = call_signature(kernel, args, kwargs)
     if call is None:
         return
     index = torch.cuda.current_device()
-    future = _pending.get((index, call))
-    if future is not None:
+    lists = _arch_lists(arch(index))
+    if lists is not None:
+        names = lists["openers"].get(call) or lists["index"].get(call, ())
+        if len(names) == 1 or call in lists["openers"]:
+            _start(index, lists, names)
+    for future in _pending.get((index, call), ()):
         try:
             future.result()
         except Exception:  # noqa: BLE001 - the launch compiles for itself and raises there
             pass
-        return
-    lists = _device_lists(torch.cuda.get_device_name(index))
-    if lists is None:
-        return
-    workloads = lists["index"].get(call, ())
-    if len(workloads) != 1:  # a call several workloads make (the bf16 and MXFP8 blocks' k RoPE) opens none
-        return
+
+
+def _start(index: int, lists: dict, names) -> None:
     with _lock:
-        if (index, workloads[0]) in _started:
-            return
-        _started.add((index, workloads[0]))
+        names = [n for n in names if (index, n) not in _started]
+        _started.update((index, n) for n in names)
+    if not names:
+        return
     triton_fingerprint()
-    for entry in lists["workloads"][workloads[0]]:
-        key = (index, entry["call"])
-        if entry["call"] == call or key in _pending:
-            continue
-        _pending[key] = _pool().submit(_compile, index, entry["compile"])
+    for name in names:
+        for entry in lists["workloads"][name]:
+            key = (index, _compile_key(entry["compile"]))
+            with _lock:
+                if key in _submitted:
+                    continue
+                _submitted.add(key)
+                future = _pool().submit(_compile, index, entry["compile"])
+                _pending.setdefault((index, entry["call"]), []).append(future)
 
 
 def triton_fingerprint() -> None:
@@ -311,7 +416,7 @@ def triton_fingerprint() -> None:
 
 def wait() -> None:
     """Return once every compilation started here is done (failed ones are dropped)."""
-    for future in list(_pending.values()):
+    for future in [f for futures in list(_pending.values()) for f in futures]:
         try:
             future.result()
         except Exception:  # noqa: BLE001 - the kernel's own launch compiles it and raises there
@@ -325,3 +430,4 @@ def reset() -> None:
         _lists.clear()
         _pending.clear()
         _started.clear()
+        _submitted.clear()

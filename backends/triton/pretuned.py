@@ -10,6 +10,9 @@ launch, exactly as if it had timed them itself in this process, and a key that i
 autotuned as usual. A recorded choice is only a tile choice: each config of an autotuner computes the
 same result, so a table never changes what a kernel returns.
 
+No table ships: the heuristics give what autotuning chose on the H200 at the DeepSeek-V3 shapes
+(tests/test_tile_choice.py holds that recording as their reference). A table for a GPU where they do
+not is recorded with `MXMLA_TRITON_AUTOTUNE=1 python tools/record_pretuned.py --what pretuned`.
 MXMLA_TRITON_PRETUNED=0 ignores the tables.
 
 File format: {"device": name, "triton": version, "kernels": {qualified name: [[key, config], ...]}},
