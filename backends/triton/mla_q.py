@@ -77,16 +77,13 @@ Backward: `mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=Fal
   bf16): these are plain bf16 GEMMs that cuBLAS already runs at the roofline. MX x / w (the forward's
   K-blocked tensors) are dequantized to bf16 first; exact for e4m3 scale bytes in [3, 246] (e5m2:
   [10, 239]), outside that a value leaves bf16's range and rounds/saturates where the spec's does not.
-- quantize_grad=True, the "dequantized" route (the default, _backward_dequantized): the pre-pass writes
+- quantize_grad=True, the "dequantized" variant (_backward_dequantized): the pre-pass writes
   the bf16 dequantization of both quantizations of g instead of their codes -- each value rounded to the
   e4m3 grid times its scale, exact in bf16 inside BF16_SAFE_SCALE_BYTES, a per-block guard flagging the
   rest -- and two cuBLAS bf16 GEMMs follow; a raised guard sends the op to the exact path (gated kernels,
   no host sync once compiled). That form of the pre-pass runs on mla_q_prepass.py's per-head kernel (the
   same bytes as _grad_prep_kernel's ROW_DQ / COL_DQ outputs; H200: 0.81 of copy bandwidth against 0.56-0.61;
   PREPASS_HEADS_KERNEL = False sends it back to the general kernel).
-- quantize_grad=True, the "mxfp8_gemm" route: dx = mxfp8_gemm(g_row, w_n^T), dw = mxfp8_gemm(g_col^T,
-  x_t^T) with the Triton GEMM of backends/triton/gemm.py. bf16 x / w are quantized along T / N by the
-  same pre-pass kernel (no RoPE), written transposed so every GEMM operand is K-major.
 """
 from __future__ import annotations
 
@@ -109,8 +106,7 @@ from ._fpbits import round_bf16, round_f32, widen_f32
 from ._mxfp8 import (amax_bits_ignoring_nan, e4m3_value, encode_e4m3_arith, fp8_mma_widened, mx_block_dot,
                      rceil_scale_from_amax_bits, scale_multiplier, scale_value)
 from ._tiles import grouped_tile
-from .gemm import (BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket,
-                   mxfp8_gemm_tensors, scale_offsets)
+from .gemm import BF16_SAFE_SCALE_BYTES, bf16_matmul_fp32_sum, exact_fallback, m_bucket, scale_offsets
 from .mla_q_prepass import block_unsafe, prepass_dequantized, rope_grad_chunk
 from .tile_choice import first_config
 
@@ -938,14 +934,9 @@ def _transposed_operand(t: MXTensor) -> MXTensor:
     return MXTensor(t.data.t(), scale, 1, t.elem, t.scale_layout)
 
 
-BACKWARD_ROUTES = ("dequantized", "mxfp8_gemm")
-
-
-def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False, route="dequantized"):
-    """The backward (module docstring). quantize_grad=True has two routes with one contract: "dequantized"
-    (default) and "mxfp8_gemm" (the quantized operands through mxfp8_gemm_tensors)."""
-    if route not in BACKWARD_ROUTES:
-        raise ValueError(f"route: expected one of {', '.join(BACKWARD_ROUTES)}, got {route!r}")
+def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False):
+    """The backward (module docstring): the 16-bit backward, or with quantize_grad=True the MXFP8
+    backward on exact bf16 dequantizations (_backward_dequantized)."""
     tokens, heads = dq.shape[0], dq.shape[1]
     n = heads * _HEAD
     dq2 = dq.reshape(tokens, n)
@@ -954,27 +945,7 @@ def mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad=False, route="dequan
         xb = _dequantize_bf16(x) if isinstance(x, MXTensor) else x
         wb = _dequantize_bf16(w) if isinstance(w, MXTensor) else w
         return torch.matmul(g, wb), torch.matmul(g.t(), xb)
-    if route == "dequantized":
-        return _backward_dequantized(dq2, x, w, cos, sin)
-    _, (g_codes, g_scale), (gt_codes, gt_scale) = _prep_launch(dq2, cos, sin, rope=True, row_q=True, col_q=True)
-    g_row = MXTensor(g_codes, g_scale, 1, "e4m3", "compact")  # [T, N] blocked along N
-    g_col_t = MXTensor(gt_codes, gt_scale, 1, "e4m3", "compact")  # [N, T] blocked along T
-    if isinstance(w, MXTensor):
-        w_t = _transposed_operand(w)  # [K, N] blocked along N
-    else:
-        _, _, (wt_codes, wt_scale) = _prep_launch(w, col_q=True)
-        w_t = MXTensor(wt_codes, wt_scale, 1, "e4m3", "compact")
-    if isinstance(x, MXTensor):
-        x_t = _transposed_operand(x)  # [K, T] blocked along T
-    else:
-        _, _, (xt_codes, xt_scale) = _prep_launch(x, col_q=True)
-        x_t = MXTensor(xt_codes, xt_scale, 1, "e4m3", "compact")
-    k = x_t.data.shape[0]
-    dx = _empty((tokens, k), torch.bfloat16, dq.device)
-    dw = _empty((n, k), torch.bfloat16, dq.device)
-    mxfp8_gemm_tensors(g_row, w_t, dx)
-    mxfp8_gemm_tensors(g_col_t, x_t, dw)
-    return dx, dw
+    return _backward_dequantized(dq2, x, w, cos, sin)
 
 
 def _carve(buf: torch.Tensor, parts):
@@ -1112,9 +1083,9 @@ def _backward_dequantized(dq2, x, w, cos, sin):
     of both quantizations of g (row- and column-blocked, each exact in bf16 where the guard stays
     down); x and w blocked along T / N come dequantized likewise (w's dequantization kept across
     calls: _weight_bf16); then dx = g_row @ w_n and dw = g_col^T @ x_t are two cuBLAS bf16 GEMMs
-    (exact products, fp32 sum, one rounding: the MXFP8 GEMM's contract, as its bf16 route keeps it). Against the MXFP8-GEMM route this writes g twice as bf16
-    (4 bytes an element instead of 2 of codes) but no GEMM re-reads codes to dequantize them, and
-    cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
+    (exact products, fp32 sum, one rounding: the MXFP8 GEMM's contract, as its bf16 route keeps it).
+    Against two MXFP8 GEMMs this writes g twice as bf16 (4 bytes an element instead of 2 of codes) but
+    no GEMM re-reads codes to dequantize them, and cuBLAS runs both shapes at its bf16 rate. The guard (a nonzero code under a scale byte outside
     BF16_SAFE_SCALE_BYTES, or a value not finite) sends the whole op to the exact path, gated on the
     device-side flag (no host sync once those kernels are compiled: launch_gated): the pre-pass re-run
     writing codes and the exact block GEMMs."""
@@ -1182,25 +1153,24 @@ def mla_q_uproj_rope_quant(x, w, cos, sin, variant=None):
     return mla_q_forward_launch(x, w, cos, sin, variant=variant, verified=variant is not None)
 
 
-# Backward variants: "bf16" is the quantize_grad=False backward (two bf16 GEMMs); the MXFP8 backward
-# (quantize_grad=True) has BACKWARD_ROUTES, "dequantized" first (the default).
+# Backward variants: "bf16" is the quantize_grad=False backward (two bf16 GEMMs), "dequantized" the
+# MXFP8 backward (quantize_grad=True); each call has exactly one.
 BACKWARD_OP = "mla_q_uproj_rope_quant_backward"
 
 
 def _backward_check(route):
     def check(dq, x, w, cos, sin, quantize_grad=False):
         if route == "bf16":
-            return ["quantize_grad=True: the MXFP8 backward's routes are " + ", ".join(BACKWARD_ROUTES)] \
-                if quantize_grad else []
-        return [] if quantize_grad else [f"{route} is a route of the MXFP8 backward (quantize_grad=True)"]
+            return ["quantize_grad=True is the dequantized variant's"] if quantize_grad else []
+        return [] if quantize_grad else [f"{route} is the MXFP8 backward (quantize_grad=True)"]
     return check
 
 
-for _name, _priority in (("bf16", 30), ("dequantized", 20), ("mxfp8_gemm", 10)):
+for _name, _priority in (("bf16", 30), ("dequantized", 20)):
     register_variant(BACKWARD_OP, "triton", _name, _priority, check=_backward_check(_name))
 
 
 @register("mla_q_uproj_rope_quant_backward", "triton", check=_bwd_reasons)
 def mla_q_uproj_rope_quant_backward(dq, x, w, cos, sin, quantize_grad=False, variant=None):
-    route = "dequantized" if variant in (None, "bf16") else variant
-    return mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad, route=route)
+    """The dispatcher passes the variant it chose, which quantize_grad alone decides."""
+    return mla_q_backward_launch(dq, x, w, cos, sin, quantize_grad)

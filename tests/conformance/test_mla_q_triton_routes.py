@@ -96,8 +96,8 @@ def test_backward_guard_falls_back_to_spec_bytes(mla, flags, case):
     got = _run_backward(mod, device, dq, x, w, cos, sin)
     assert flags == [1, 1]
     if case == "nan" and device == "cpu":
-        # under Triton's interpreter the exact block GEMM turns NaN codes into finite sums (observed: the
-        # mxfp8_gemm route gives the same wrong bytes), so bytes are compared on CUDA only
+        # under Triton's interpreter the exact block GEMM turns NaN codes into finite sums, so bytes are
+        # compared on CUDA only
         return
     check_dx_dw(got, want)
 
