@@ -854,7 +854,7 @@ def _grad_prep_kernel(
             tl.store(flag_ptr + tl.zeros([NB2, WIDTH], tl.int32), 1, mask=block_unsafe(amax, e, s_inv) & blk_ok)
 
 
-PREPASS_HEADS_KERNEL = True  # False: the general kernel below serves the backward's form too (tools/sweep_prepass.py)
+PREPASS_HEADS_KERNEL = True  # False: the general kernel below serves the backward's form too (tests compare the two)
 _PREP_DQ_TILE = (32, 2)  # (rows per tile, warps) of the dequantized-output pre-pass: the fastest of six on the H200
 
 

@@ -184,7 +184,7 @@ class Tile(NamedTuple):
     heads_fast: bool = False
 
 
-# tools/sweep_prepass.py on the H200: 32 tokens of one head on 2 warps, heads fastest in the grid (0.81
+# On the H200: 32 tokens of one head on 2 warps, heads fastest in the grid (0.81
 # of copy bandwidth at T = 4096 and 16384; the other order 0.68-0.70, more heads or warps per program less)
 TILE = Tile(32, 1, 2, heads_fast=True)
 
