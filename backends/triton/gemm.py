@@ -43,9 +43,8 @@ Kernel design
   FFMA) at 128 lanes/clk/SM: 2 * 32 / 128 = 1/2048 clk per FMA, exactly the bf16 tensor-core peak.
   So on Hopper an exact MX-block-32 GEMM is bound by the rescale at ~ the bf16 peak, whatever the
   fp8 rate; it can only beat bf16 cuBLAS by the margin by which cuBLAS misses the bf16 peak, and
-  only if the rescale of one warpgroup overlaps the wgmma of the other. A TMA form of this kernel
-  (codes and pre-expanded fp32 scale vectors as TMA boxes) measured 0.29x bf16 cuBLAS on the H200 with
-  the fp8 MMA and 0.21x with the fp16-widened dots (BENCHMARKS.md), so sm90 runs the gluon / bf16
+  only if the rescale of one warpgroup overlaps the wgmma of the other. On the H200 this kernel and a
+  TMA-fed form of it ran at a fraction of bf16 cuBLAS (BENCHMARKS.md), so sm90 runs the gluon / bf16
   routes; native MX on sm100 removes the rescale entirely. The kernel uses cp.async pointer loads (any
   strides) and decodes the scale bytes in the loop.
 - Scale bytes are read in the kernel from either layout: the swizzled (cuBLAS / F8_128x4) offset of
