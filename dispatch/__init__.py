@@ -25,6 +25,7 @@ every environment switch (backends/settings.py), so a bad value raises naming th
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -199,7 +200,25 @@ def validate(op: str, *args, backend: Optional[str] = None, **kwargs) -> None:
         _check_values(op, args, kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _op_signature(op: str) -> inspect.Signature:
+    """The op's arguments: its spec validator's, which takes exactly what every backend takes."""
+    return inspect.signature(_spec.VALIDATORS[op])
+
+
+def _bind(op: str, args, kwargs) -> None:
+    """A TypeError naming the op and its arguments for a call the op cannot take (an unknown keyword,
+    too many or missing arguments), rather than one naming spec's internal validator."""
+    signature = _op_signature(op)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{op}: {exc}; {op} takes {', '.join(signature.parameters)} "
+                        f"(and run's backend, variant)") from None
+
+
 def _validate_args(op: str, args, kwargs) -> None:
+    _bind(op, args, kwargs)
     with shape_checks_only():
         _spec.VALIDATORS[op](*args, **kwargs)
 

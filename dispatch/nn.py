@@ -55,7 +55,7 @@ from torch import Tensor, nn
 import dispatch.autograd as mxag
 from dispatch.q_path import rmsnorm_mla_q
 from dispatch.weights import quantized_weight
-from spec.constants import MLA_QK_HEAD_DIM
+from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
 
 __all__ = ["MLAQProjection", "MLAAttention", "mla_q_projection", "rms_norm", "neox_rows", "PATHS", "ROPE_STYLES"]
@@ -134,7 +134,8 @@ def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, nor
         raise ValueError(f"weight: expected [H * {MLA_QK_HEAD_DIM}, K], got "
                          f"{tuple(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__}")
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"weight: expected K = x.shape[-1] = {x.shape[-1]} columns, got {weight.shape[1]}")
+        raise ValueError(f"x: expected {weight.shape[1]} features in the last dim (weight's K: the "
+                         f"module's in_features), got shape {tuple(x.shape)}")
     if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"norm_weight: expected shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
     lead = tuple(x.shape[:-1])
@@ -228,13 +229,18 @@ class MLAQProjection(nn.Module):
 _SEQ_AXIS = {"bshd": 1, "sbhd": 0, "thd": 0}
 
 
-def attention_operand(t, axis: int, path: str, backend=None):
-    """An attention operand for `path`: an MXTensor as it is; otherwise bf16 (path "bf16") or quantized
-    to MXFP8 along `axis` (path "mxfp8": q, k along D, v along S)."""
+def attention_operand(name: str, t, axis: int, path: str, backend=None):
+    """The attention operand `name` for `path`: an MXTensor as it is; otherwise bf16 (path "bf16") or
+    quantized to MXFP8 along `axis` (path "mxfp8": q, k along D, v along S)."""
     if isinstance(t, MXTensor):
         return t
     if path == "bf16":
         return t.to(torch.bfloat16)
+    if isinstance(t, Tensor) and -t.dim() <= axis < t.dim() and t.shape[axis] % BLOCK_SIZE:
+        along, size = ("the head dim", "D") if axis == -1 else (f"the sequence axis (dim {axis})", "S")
+        raise ValueError(f"{name}: path 'mxfp8' quantizes {name} in blocks of {BLOCK_SIZE} along {along}, "
+                         f"expected {size} a multiple of {BLOCK_SIZE}, got {size} = {t.shape[axis]} "
+                         f"(shape {tuple(t.shape)})")
     return mxag.mxfp8_quantize(t, axis=axis, backend=backend)  # a strided slice is read in place where it can be
 
 
@@ -257,15 +263,15 @@ class MLAAttention(nn.Module):
         self.causal, self.layout, self.path, self.backend = bool(causal), layout, path, backend
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
-    def _prepare(self, t, axis: int):
-        return attention_operand(t, axis, self.path, self.backend)
+    def _prepare(self, name: str, t, axis: int):
+        return attention_operand(name, t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
                 causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
         """(o, lse); `causal` overrides the module's setting for this call."""
-        q = self._prepare(q, -1)
-        k = self._prepare(k, -1)
-        v = self._prepare(v, _SEQ_AXIS[self.layout])
+        q = self._prepare("q", q, -1)
+        k = self._prepare("k", k, -1)
+        v = self._prepare("v", v, _SEQ_AXIS[self.layout])
         causal = self.causal if causal is None else bool(causal)
         return mxag.mla_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, layout=self.layout,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=self.backend)

@@ -158,6 +158,20 @@ def test_numpy_inputs_need_spec_named():
         dispatch.run("mxfp8_quantize", x)
 
 
+def test_unknown_keyword_names_the_op_and_its_arguments():
+    """A keyword the op does not take, too many or too few arguments: the TypeError names the op and lists
+    what it takes, not spec's internal validator."""
+    x = torch.zeros(32, 32)
+    with pytest.raises(TypeError, match=r"^mxfp8_quantize: got an unexpected keyword argument 'axes'; "
+                                        r"mxfp8_quantize takes x, axis, elem, scale_mode, nonfinite, scale_layout") as info:
+        dispatch.run("mxfp8_quantize", x, axes=-1)
+    assert "validate_" not in str(info.value)
+    with pytest.raises(TypeError, match=r"^mxfp8_quantize: missing a required argument: 'x'"):
+        dispatch.run("mxfp8_quantize")
+    with pytest.raises(TypeError, match=r"^swizzle_scales: .*; swizzle_scales takes "):
+        dispatch.run("swizzle_scales", x, 1, 2, 3, 4, 5, 6, 7)
+
+
 def test_mixed_devices_rejected(fake_registry):
     mx = _mx()
     with pytest.raises(ValueError, match="one device"):

@@ -185,7 +185,7 @@ def test_bad_shapes_name_the_argument():
     w = torch.randn(N, K, generator=gen)
     with pytest.raises(ValueError, match="weight: expected \\[H \\* 192, K\\]"):
         mxnn.mla_q_projection(x, w[:100], cos, sin)
-    with pytest.raises(ValueError, match="weight: expected K = x.shape\\[-1\\]"):
+    with pytest.raises(ValueError, match=rf"^x: expected {K} features in the last dim .*got shape \(2, 32, 32\)"):
         mxnn.mla_q_projection(x[..., :32], w, cos, sin)
     with pytest.raises(ValueError, match="cos: shape"):
         mxnn.mla_q_projection(x, w, cos[:, :5], sin)
@@ -193,6 +193,29 @@ def test_bad_shapes_name_the_argument():
         mxnn.mla_q_projection(x[:, :20], w, cos[:, :20], sin[:, :20], path="mxfp8")
     with pytest.raises(ValueError, match="norm_weight: expected shape"):
         mxnn.mla_q_projection(x, w, cos, sin, norm_weight=torch.ones(3))
+
+
+def test_module_input_of_the_wrong_width_names_x():
+    gen = torch.Generator().manual_seed(6)
+    x, cos, sin = _inputs(gen)
+    with pytest.raises(ValueError, match=rf"^x: expected {K} features in the last dim \(weight's K: the module's "
+                                         rf"in_features\), got shape \(2, 32, {K + 32}\)"):
+        mxnn.MLAQProjection(K, H)(torch.cat([x, x[..., :32]], -1), cos, sin)
+
+
+@pytest.mark.parametrize("layout, shape", [("bshd", (1, 50, 2)), ("sbhd", (50, 1, 2)), ("thd", (50, 2))])
+def test_attention_sequence_not_whole_blocks_names_v(layout, shape):
+    """Path mxfp8 quantizes v along the sequence axis: an S that is no multiple of 32 names v (q and k,
+    blocked along D = 192, are fine), and says what S must be."""
+    q, k, v = torch.randn(*shape, 192), torch.randn(*shape, 192), torch.randn(*shape, 128)
+    axis = 1 if layout == "bshd" else 0
+    cu = torch.tensor([0, 50], dtype=torch.int32) if layout == "thd" else None
+    with pytest.raises(ValueError, match=rf"^v: path 'mxfp8' quantizes v in blocks of 32 along the sequence axis "
+                                         rf"\(dim {axis}\), expected S a multiple of 32, got S = 50"):
+        mxnn.MLAAttention(layout=layout, path="mxfp8", backend="torch")(q, k, v, cu, cu)
+    with pytest.raises(ValueError, match=r"^k: path 'mxfp8' quantizes k in blocks of 32 along the head dim, "
+                                         r"expected D a multiple of 32, got D = 100"):
+        mxnn.MLAAttention(layout=layout, path="mxfp8", backend="torch")(q, k[..., :100], v, cu, cu)
 
 
 # --------------------------------------------------------------------------------------------------

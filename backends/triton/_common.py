@@ -6,6 +6,7 @@ import inspect
 import threading
 from typing import Any, Callable, List, Optional, Tuple
 
+import numpy as np
 import torch
 import triton
 
@@ -343,11 +344,13 @@ INTERPRETER_LOCK = threading.RLock()
 
 
 def serialized(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn, holding INTERPRETER_LOCK for the whole call."""
+    """fn, holding INTERPRETER_LOCK for the whole call, with NumPy's floating-point warnings off: the
+    interpreter runs the kernel's arithmetic in NumPy, and an overflow to Inf or an invalid operation's
+    NaN is the value the GPU computes (IEEE arithmetic raises no error there), not a fault to report."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with INTERPRETER_LOCK:
+        with INTERPRETER_LOCK, np.errstate(all="ignore"):
             return fn(*args, **kwargs)
 
     run.unserialized = fn

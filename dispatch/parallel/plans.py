@@ -109,16 +109,16 @@ class ContextParallelAttention(nn.Module):
         self.group, self.causal, self.layout, self.path, self.backend = group, bool(causal), layout, path, backend
         self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
 
-    def _operand(self, t: Any, axis: int) -> Any:
-        return attention_operand(t, axis, self.path, self.backend)
+    def _operand(self, name: str, t: Any, axis: int) -> Any:
+        return attention_operand(name, t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
                 causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             raise ValueError("cu_seqlens_q: packed sequences are not context-parallel here (one sequence axis "
                              "sharded by shard_sequence)")
-        q, k = self._operand(q, -1), self._operand(k, -1)
-        v = self._operand(v, SEQ_AXIS[self.layout])
+        q, k = self._operand("q", q, -1), self._operand("k", k, -1)
+        v = self._operand("v", v, SEQ_AXIS[self.layout])
         causal = self.causal if causal is None else bool(causal)
         return context_parallel_attention(q, k, v, group=self.group, causal=causal, layout=self.layout,
                                           softmax_scale=self.softmax_scale, backend=self.backend)

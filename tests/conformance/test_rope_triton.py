@@ -38,7 +38,8 @@ def test_float16_output(triton_target, op, x_dtype):
     vals = special_values_f32()
     vals = vals[np.abs(vals) < 7e4] if x_dtype is np.float16 else vals
     x = rng.choice(np.concatenate([vals, rng.standard_normal(64).astype(np.float32) * 300]), size=(24, 3, 20))
-    x = x.astype(x_dtype)
+    with np.errstate(over="ignore"):  # fp16: the values past its largest finite one become Inf inputs
+        x = x.astype(x_dtype)
     cos, sin = _tables(rng, 24, 12, BF16)
     for style in STYLES:
         _check(triton_target, op, x, cos, sin, f"{style} fp16", style=style, positions=np.arange(24),
