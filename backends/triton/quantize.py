@@ -629,10 +629,13 @@ _dequantize_tuned = autotune_cached(
 
 
 @triton.jit
-def _flat_bf16_pass(X, S, Y, N, flag_ptr, blk, INNER: tl.constexpr, BLOCK: tl.constexpr, IS_E5M2: tl.constexpr,
+def _flat_bf16_pass(X, S, Y, N, flag_ptr, blk, W, INNER: tl.constexpr, BLOCK: tl.constexpr, IS_E5M2: tl.constexpr,
                     HW_CVT: tl.constexpr, GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
     """Block `blk` of the flat pass: Y = RN_bf16(code * 2^(e-127)) for contiguous codes viewed as
-    [outer, L, INNER] blocked along L, contiguous compact scales [outer, L/32, INNER]. One flat 1-D pass
+    [outer, L, INNER] blocked along L, contiguous compact scales [outer, L/32, INNER]. INNER == 0: the
+    row width is the runtime W, a multiple of BLOCK (a block lies in one row: one division per
+    program), so one compiled kernel serves every such width (e.g. v's heads x 128 for any head count,
+    _flat_inner). One flat 1-D pass
     (no tiles): a scale byte is re-read per element from L1, so it streams at copy speed (H200: 3.7 TB/s
     on attention's k, v; the GEMM's two operands in 0.044 ms where the tiled _dequantize_kernel took
     0.118 ms). GUARD: also set *flag_ptr = 1 when a nonzero code's scale byte lies outside [GUARD_LO,
@@ -643,8 +646,15 @@ def _flat_bf16_pass(X, S, Y, N, flag_ptr, blk, INNER: tl.constexpr, BLOCK: tl.co
     offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     codes = tl.load(X + offs, mask=mask, other=0)
-    row = offs // INNER  # = outer * L + l; L is a multiple of 32, so row // 32 = outer * L/32 + l // 32
-    e = tl.load(S + (row // 32) * INNER + (offs - row * INNER), mask=mask, other=127).to(tl.int32)
+    # row = outer * L + l; L is a multiple of 32, so row // 32 = outer * L/32 + l // 32
+    if INNER == 0:
+        start = blk.to(tl.int64) * BLOCK
+        row = start // W
+        s_offs = (row // 32) * W + (start - row * W) + tl.arange(0, BLOCK)
+    else:
+        row = offs // INNER
+        s_offs = (row // 32) * INNER + (offs - row * INNER)
+    e = tl.load(S + s_offs, mask=mask, other=127).to(tl.int32)
     x = _decode(codes, IS_E5M2, HW_CVT) * _scale_value(e)
     if GUARD:
         bits = x.to(tl.int32, bitcast=True)
@@ -659,16 +669,16 @@ def _flat_bf16_pass(X, S, Y, N, flag_ptr, blk, INNER: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, INNER: tl.constexpr, BLOCK: tl.constexpr,
+def _dequantize_bf16_flat_kernel(X, S, Y, N, flag_ptr, W, INNER: tl.constexpr, BLOCK: tl.constexpr,
                                  IS_E5M2: tl.constexpr, HW_CVT: tl.constexpr,
                                  GUARD: tl.constexpr, GUARD_LO: tl.constexpr, GUARD_HI: tl.constexpr):
     """One MXTensor's flat pass (_flat_bf16_pass), one block per program."""
-    _flat_bf16_pass(X, S, Y, N, flag_ptr, tl.program_id(0), INNER, BLOCK, IS_E5M2, HW_CVT, GUARD, GUARD_LO,
+    _flat_bf16_pass(X, S, Y, N, flag_ptr, tl.program_id(0), W, INNER, BLOCK, IS_E5M2, HW_CVT, GUARD, GUARD_LO,
                     GUARD_HI)
 
 
 @triton.jit
-def _dequantize_bf16_flat3_kernel(X0, S0, Y0, N0, X1, S1, Y1, N1, X2, S2, Y2, N2, END0, END1, flag_ptr,
+def _dequantize_bf16_flat3_kernel(X0, S0, Y0, N0, X1, S1, Y1, N1, X2, S2, Y2, N2, END0, END1, flag_ptr, W0, W1, W2,
                                   INNER0: tl.constexpr, INNER1: tl.constexpr, INNER2: tl.constexpr,
                                   E5M2_0: tl.constexpr, E5M2_1: tl.constexpr, E5M2_2: tl.constexpr,
                                   LO0: tl.constexpr, HI0: tl.constexpr, LO1: tl.constexpr, HI1: tl.constexpr,
@@ -680,14 +690,20 @@ def _dequantize_bf16_flat3_kernel(X0, S0, Y0, N0, X1, S1, Y1, N1, X2, S2, Y2, N2
     host time where the host, not the GPU, sets the pace (attention's q, k, v; the projection's x, w)."""
     pid = tl.program_id(0)
     if pid < END0:
-        _flat_bf16_pass(X0, S0, Y0, N0, flag_ptr, pid, INNER0, BLOCK, E5M2_0, HW_CVT, GUARD, LO0, HI0)
+        _flat_bf16_pass(X0, S0, Y0, N0, flag_ptr, pid, W0, INNER0, BLOCK, E5M2_0, HW_CVT, GUARD, LO0, HI0)
     elif pid < END1:
-        _flat_bf16_pass(X1, S1, Y1, N1, flag_ptr, pid - END0, INNER1, BLOCK, E5M2_1, HW_CVT, GUARD, LO1, HI1)
+        _flat_bf16_pass(X1, S1, Y1, N1, flag_ptr, pid - END0, W1, INNER1, BLOCK, E5M2_1, HW_CVT, GUARD, LO1, HI1)
     else:
-        _flat_bf16_pass(X2, S2, Y2, N2, flag_ptr, pid - END1, INNER2, BLOCK, E5M2_2, HW_CVT, GUARD, LO2, HI2)
+        _flat_bf16_pass(X2, S2, Y2, N2, flag_ptr, pid - END1, W2, INNER2, BLOCK, E5M2_2, HW_CVT, GUARD, LO2, HI2)
 
 
 _FLAT_BLOCK = 1024
+
+
+def _flat_inner(inner: int) -> Tuple[int, int]:
+    """(W, INNER) of the flat pass for rows `inner` wide: a multiple of the block as the runtime W
+    (INNER 0), anything else as the constexpr INNER (its divisions by a constant; W unused, 0)."""
+    return (inner, 0) if inner % _FLAT_BLOCK == 0 else (0, inner)
 
 
 def _flat_operand(t: MXTensor):
@@ -709,8 +725,9 @@ def dequantize_bf16_flat(t: MXTensor, guard=None) -> torch.Tensor:
     n = data.numel()
     if n:
         flag, lo, hi = guard if guard is not None else (data, 0, 255)
+        w, inner = _flat_inner(inner)
         fast_launch(
-            _dequantize_bf16_flat_kernel, (cdiv(n, _FLAT_BLOCK),), data.view(torch.uint8), scale, out, n, flag,
+            _dequantize_bf16_flat_kernel, (cdiv(n, _FLAT_BLOCK),), data.view(torch.uint8), scale, out, n, flag, w,
             INNER=inner, BLOCK=_FLAT_BLOCK, IS_E5M2=t.elem == "e5m2", HW_CVT=use_hw_cvt(data.device),
             GUARD=guard is not None, GUARD_LO=int(lo), GUARD_HI=int(hi))
     return out
@@ -752,9 +769,10 @@ def dequantize_bf16_flat_many(tensors, guard=None) -> List[torch.Tensor]:
             args += [data.view(torch.uint8), scale, out, data.numel()]
         (lo0, hi0), (lo1, hi1), (lo2, hi2) = [(int(lo), int(hi)) for lo, hi in bounds]
         first = slots[0][0]
+        (w0, inner0), (w1, inner1), (w2, inner2) = [_flat_inner(slot[3]) for slot in slots]
         fast_launch(
             _dequantize_bf16_flat3_kernel, (total,), *args, ends[0], ends[1], first if flag is None else flag,
-            INNER0=slots[0][3], INNER1=slots[1][3], INNER2=slots[2][3],
+            w0, w1, w2, INNER0=inner0, INNER1=inner1, INNER2=inner2,
             E5M2_0=slots[0][4], E5M2_1=slots[1][4], E5M2_2=slots[2][4],
             LO0=lo0, HI0=hi0, LO1=lo1, HI1=hi1, LO2=lo2, HI2=hi2, BLOCK=_FLAT_BLOCK,
             HW_CVT=use_hw_cvt(first.device), GUARD=flag is not None)

@@ -379,6 +379,24 @@ def test_dequantize_bf16_flat_many_matches_one_by_one(device, count):
             assert int(flag.item()) == want_flag, f"{what}: flag {int(flag.item())}, one by one {want_flag}"
 
 
+def test_dequantize_bf16_flat_rows_wider_than_a_block(device):
+    # Rows a multiple of the pass's block (v along S with heads x 128 = 2048 here): the row width is a
+    # runtime value (one compiled kernel for every head count), each block inside one row. Bytes equal
+    # spec's, alone and in the three-tensor launch beside a constexpr-width tensor.
+    from backends.triton.quantize import _FLAT_BLOCK, dequantize_bf16_flat, dequantize_bf16_flat_many
+
+    rng = _rng("flat_wide_rows")
+    v = _random_mx(rng, (1, 64, 2 * _FLAT_BLOCK // 128, 128), 1, "e4m3")  # inner = 2 blocks
+    k = _random_mx(rng, (1, 64, 2, 192), 3, "e5m2")  # inner 1: the constexpr form
+    want_v = spec.mxfp8_dequantize(v, "bfloat16")
+    want_k = spec.mxfp8_dequantize(k, "bfloat16")
+    with np.errstate(over="ignore", invalid="ignore"):
+        _assert_bf16_bytes_nan_positions(dequantize_bf16_flat(to_torch(v, device)), want_v, "v alone")
+        got_k, got_v = dequantize_bf16_flat_many([to_torch(k, device), to_torch(v, device)])
+        _assert_bf16_bytes_nan_positions(got_v, want_v, "v beside k")
+        _assert_bf16_bytes_nan_positions(got_k, want_k, "k beside v")
+
+
 def test_dequantize_bf16_flat_many_rejects_mismatched_ranges():
     from backends.triton.quantize import dequantize_bf16_flat_many
 
