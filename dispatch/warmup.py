@@ -8,10 +8,10 @@ One forward + backward of the query path and the attention core at the given sha
 DeepSeek-V3's head dims), through the same `dispatch.nn` modules a model uses: the fused Q
 up-projection with RMSNorm (path mxfp8: MXFP8 projection, per-step quantized weight, MXFP8
 backward; path bf16: GEMM + RoPE), k / v prepared for that path, and `mla_attention`. Every kernel
-these calls launch is compiled (into Triton's on-disk cache, where a second process finds it) and
-every autotuner meets its key for these shapes (timed unless a pretuned table covers it: see
-backends/triton/pretuned.py). The cuDNN graphs are built in this process only (they are not kept on
-disk), so a model's own first step still builds those.
+these calls launch is compiled (into Triton's on-disk cache, where a second process finds it), with
+the tiles a training step will take (heuristic ones; timed per shape bucket only under
+MXMLA_TRITON_AUTOTUNE=1: backends/triton/tile_choice.py). The cuDNN graphs are built in this process
+only (they are not kept on disk), so a model's own first step still builds those.
 
 The kernels depend on the token count, heads and q_lora rank (and the sequence length for
 attention), not on the values: warm up with the shapes (per rank, after sharding) that training uses.
