@@ -185,6 +185,20 @@ def test_opening_launch_compiles_its_workloads_ahead(gpu_lists, monkeypatch):
     assert len(log) == 7
 
 
+def test_compilations_start_in_the_order_a_step_needs_them(gpu_lists, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    write({"w1": [_entry("s", args=_n(1)), _entry("a", args=_n(2)), _entry("b", args=_n(3))],
+           "w2": [_entry("s", args=_n(4)), _entry("c", args=_n(5)), _entry("a", args=_n(2)), _entry("d", args=_n(6))]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    monkeypatch.setattr(compile_ahead, "_POOL", ThreadPoolExecutor(max_workers=1))  # one thread: start order
+    compile_ahead.before_compile(None, ("s",), {})
+    compile_ahead.wait()
+    assert [a[1] for a, _ in log] == [1, 4, 2, 5, 3, 6]
+
+
 def test_a_call_several_workloads_make_opens_none(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)

@@ -374,7 +374,7 @@ def before_compile(kernel, args, kwargs) -> None:
     if lists is not None:
         names = lists["openers"].get(call) or lists["index"].get(call, ())
         if len(names) == 1 or call in lists["openers"]:
-            _start(index, lists, names)
+            _start(index, lists, names, call)
     for future in _pending.get((index, call), ()):
         try:
             future.result()
@@ -382,22 +382,26 @@ def before_compile(kernel, args, kwargs) -> None:
             pass
 
 
-def _start(index: int, lists: dict, names) -> None:
+def _start(index: int, lists: dict, names, call: str) -> None:
+    """Hand the workloads' compilations to the threads in the order a step needs them: the launching
+    call's first, then each workload's i-th launch before any (i+1)-th (the threads take them in turn,
+    so a kernel the step reaches early is not queued behind another shape's late ones)."""
     with _lock:
         names = [n for n in names if (index, n) not in _started]
         _started.update((index, n) for n in names)
     if not names:
         return
     triton_fingerprint()
-    for name in names:
-        for entry in lists["workloads"][name]:
-            key = (index, _compile_key(entry["compile"]))
-            with _lock:
-                if key in _submitted:
-                    continue
-                _submitted.add(key)
-                future = _pool().submit(_compile, index, entry["compile"])
-                _pending.setdefault((index, entry["call"]), []).append(future)
+    entries = sorted(((e["call"] != call, i, e) for n in names for i, e in enumerate(lists["workloads"][n])),
+                     key=lambda t: t[:2])
+    for _, _, entry in entries:
+        key = (index, _compile_key(entry["compile"]))
+        with _lock:
+            if key in _submitted:
+                continue
+            _submitted.add(key)
+            future = _pool().submit(_compile, index, entry["compile"])
+            _pending.setdefault((index, entry["call"]), []).append(future)
 
 
 def triton_fingerprint() -> None:
