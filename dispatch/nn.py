@@ -267,13 +267,15 @@ class MLAAttention(nn.Module):
         return attention_operand(name, t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
-                causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
-        """(o, lse); `causal` overrides the module's setting for this call."""
+                causal: Optional[bool] = None, softmax_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
+        """(o, lse); `causal` and `softmax_scale` override the module's settings for this call (an
+        argument, so that a caller with a per-call scale mutates no module state under torch.compile)."""
         q = self._prepare("q", q, -1)
         k = self._prepare("k", k, -1)
         v = self._prepare("v", v, _SEQ_AXIS[self.layout])
         causal = self.causal if causal is None else bool(causal)
-        return mxag.mla_attention(q, k, v, causal=causal, softmax_scale=self.softmax_scale, layout=self.layout,
+        scale = self.softmax_scale if softmax_scale is None else float(softmax_scale)
+        return mxag.mla_attention(q, k, v, causal=causal, softmax_scale=scale, layout=self.layout,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=self.backend)
 
     def extra_repr(self) -> str:

@@ -34,12 +34,17 @@ Mapping of HF's conventions:
   arrives in the weight's dtype); HF's modules run in the model's dtype; attention in bf16 or MXFP8.
 
 What the path serves, per call, and what falls back to HF's own forward (reason logged once per reason
-to logging.getLogger("mxmla.integrations"), every occurrence counted in `patch_state(model).fallbacks`):
-- attention_mask: None (sdpa / flash: causal, as HF's `is_causal`; eager: no mask), or a 4-D mask that
-  is exactly the plain causal mask (bool: the lower triangle; float: 0 there and <= the dtype's min
-  elsewhere), or a 2-D all-ones padding mask. Anything else (padding, packed-sequence block masks,
-  flex BlockMasks) falls back. Checking a mask tensor reads it (one device sync per new mask; the
-  verdict is remembered for the layers that share it).
+to logging.getLogger("mxmla.integrations"), every eager occurrence counted in
+`patch_state(model).fallbacks`):
+- attention_mask: None (sdpa / flash: causal, as HF's `is_causal`; eager: no mask); the mask HF builds
+  when the model is called without attention_mask, position_ids and cache (then it is the plain causal
+  mask by construction: a forward pre-hook on each DeepseekV3Model passes that fact to the layers as a
+  keyword, and the tensor is never read); otherwise, in eager mode, a 4-D mask that is exactly the
+  plain causal mask (bool: the lower triangle; float: 0 there and <= the dtype's min elsewhere), or a
+  2-D all-ones padding mask. Anything else (padding, packed-sequence block masks, flex BlockMasks)
+  falls back. Checking a mask tensor reads it (one device sync per new mask; the verdict is remembered
+  for the layers that share it); under torch.compile a mask tensor not marked plain causal is not
+  read and falls back.
 - cache: None, or an empty DynamicCache layer (a plain forward with use_cache=True, the prefill of
   generate): served, and the layer's compressed latents (kv_a_layernorm(kv_nope), roped k_rot) are
   written to it as HF does. A cache already holding tokens (decoding) or another cache type falls back.
@@ -51,8 +56,20 @@ Raised at patch time, naming the config field: head dims other than qk_nope 128 
 a q_lora_rank (or hidden_size when q_lora_rank is None) that is not a multiple of 32 on the mxfp8
 path, a q_b_proj with bias, a model without DeepseekV3Attention, a model already patched.
 
+torch.compile: a patched model compiles with fullgraph=True, per decoder layer (as TorchTitan applies
+it) and as a whole model, on both paths, and does not recompile from one training step to the next.
+Every check above reads only shapes, module attributes and the arguments' Python values, which dynamo
+turns into guards that hold from step to step; no Python state is updated in the compiled graph
+(eager calls update `served` / `fallbacks`; under compile the choice is made once per trace and
+counted in `patch_state(model).traced`, by a function dynamo runs while tracing); the softmax scale
+reaches the attention core as an argument. A fallback under compile is HF's own forward, compiled
+into the same graph. Under dynamo HF hands every layer a 4-D bool mask even for a plain call (its
+packed-sequence check would read position_ids, so it builds the mask instead of passing None): the
+pre-hook's keyword is what lets the layers serve it without a host read.
+tests/test_compile_transformers.py checks all this with aot_eager and inductor.
+
 Tested with transformers 5.24 (the forward signature with `cache`, formerly `past_key_values`; both
-names are accepted). torch.compile of a patched model graph-breaks at the Python checks above.
+names are accepted).
 """
 from __future__ import annotations
 
@@ -89,8 +106,10 @@ _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_
 
 @dataclass
 class PatchState:
-    """What `patch_deepseek_v3` did to a model: the options, the patched modules, and per-reason
-    counts of calls served by HF's own forward (`fallbacks`) against calls served by mxmla (`served`)."""
+    """What `patch_deepseek_v3` did to a model: the options, the patched modules, and what served the
+    calls. Eager calls: per-reason counts of calls served by HF's own forward (`fallbacks`) against
+    calls served by mxmla (`served`). Under torch.compile the choice is made when the forward is traced
+    and nothing is counted per call: `traced` counts traces per outcome ("served" or the reason)."""
 
     path: str
     backend: Optional[str]
@@ -98,23 +117,55 @@ class PatchState:
     modules: List[nn.Module] = field(default_factory=list)
     fallbacks: Counter = field(default_factory=Counter)
     served: int = 0
+    traced: Counter = field(default_factory=Counter)
+    hooks: List[Any] = field(default_factory=list)
     _logged: set = field(default_factory=set)
+    _trace_marker: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # called with constants only, so that any torch version's dynamo can run it while tracing
+        @torch._dynamo.assume_constant_result
+        def note_trace(layer_idx: Optional[int], reason: Optional[str]) -> bool:
+            self.note_trace(layer_idx, reason)
+            return True
+
+        self._trace_marker = note_trace
+
+    def record(self, module: nn.Module, reason: Optional[str]) -> None:
+        """One eager call served (reason None) or fallen back. Under torch.compile dynamo folds
+        `is_compiling()` and runs the marker while tracing (`assume_constant_result`): the trace is
+        counted once, the compiled graph updates no Python state and guards on no counter."""
+        if torch.compiler.is_compiling():
+            self._trace_marker(getattr(module, "layer_idx", None), reason)
+        elif reason is None:
+            self.served += 1
+        else:
+            self.fall_back(module, reason)
+
+    def note_trace(self, layer_idx: Optional[int], reason: Optional[str]) -> None:
+        """One trace of a patched forward (dynamo runs this while tracing; its graph holds no trace of it)."""
+        self.traced["served" if reason is None else reason] += 1
+        if reason is not None:
+            self._log(layer_idx, f"{reason} (under torch.compile, decided when traced)")
 
     def fall_back(self, module: nn.Module, reason: str) -> None:
         self.fallbacks[reason] += 1
+        self._log(getattr(module, "layer_idx", "?"), reason)
+
+    def _log(self, layer_idx, reason: str) -> None:
         if reason not in self._logged:
             self._logged.add(reason)
             log.warning("mxmla %s path: DeepseekV3Attention layer %s runs HF's forward: %s (logged once per reason)",
-                        self.path, getattr(module, "layer_idx", "?"), reason)
+                        self.path, layer_idx, reason)
         else:
-            log.debug("layer %s falls back: %s", getattr(module, "layer_idx", "?"), reason)
+            log.debug("layer %s falls back: %s", layer_idx, reason)
 
 
 @dataclass
 class _ModuleState:
     patch: PatchState
     original: Any  # HF's forward bound to the module
-    attention: MLAAttention
+    attention: nn.Module  # the attention core: MLAAttention, or dispatch.parallel's ContextParallelAttention
 
 
 _STATE_ATTR = "_mxmla_state"
@@ -185,6 +236,8 @@ def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[s
         attention = MLAAttention(causal=True, softmax_scale=attn.scaling, layout="bshd", path=path, backend=backend)
         setattr(attn, _STATE_ATTR, _ModuleState(state, original, attention))
         attn.forward = types.MethodType(_patched_forward, attn)
+    state.hooks = [m.register_forward_pre_hook(_mark_plain_causal, with_kwargs=True)
+                   for m in model.modules() if isinstance(m, _hf_deepseek.DeepseekV3Model)]
     setattr(model, _PATCH_ATTR, state)
     return model
 
@@ -197,6 +250,8 @@ def unpatch_deepseek_v3(model: nn.Module) -> nn.Module:
     for attn in state.modules:
         attn.__dict__.pop("forward", None)
         attn.__dict__.pop(_STATE_ATTR, None)
+    for hook in state.hooks:
+        hook.remove()
     delattr(model, _PATCH_ATTR)
     return model
 
@@ -242,12 +297,31 @@ def _judge_mask(mask: Tensor, batch: int, seq: int) -> Optional[str]:
     return None if plain else "attention_mask: not the plain causal mask (padding or packed sequences)"
 
 
+# The model-level marker: DeepseekV3Model builds the mask its layers get from its own inputs. Called
+# without attention_mask, position_ids (it then uses arange from 0) and cache (use_cache=True makes an
+# empty one), with no packed-sequence kwargs, it builds the plain causal mask: `create_causal_mask`
+# then has no padding, no packed sequences and no offset. HF cannot know that statically under
+# torch.compile (its packed-sequence check reads position_ids), so it hands a 4-D bool mask to every
+# layer; this pre-hook passes the layers that knowledge as a keyword instead, so the patched forward
+# serves the mask without reading it, eager and compiled alike.
+_PLAIN_CAUSAL_KWARG = "mxmla_plain_causal"
+_MASK_SHAPING_INPUTS = ("attention_mask", "position_ids", "cache", "past_key_values") + _PACKED_KWARGS
+
+
+def _mark_plain_causal(module: nn.Module, args, kwargs):
+    if len(args) > 1 or any(kwargs.get(name) is not None for name in _MASK_SHAPING_INPUTS):
+        return None  # a positional mask or any input that shapes the mask: the layers judge it themselves
+    return args, {**kwargs, _PLAIN_CAUSAL_KWARG: True}
+
+
 def _dynamic_layer_type():
     return getattr(_hf_cache, "DynamicLayer", None)
 
 
-def _unservable(attn, st: _ModuleState, hidden_states, position_embeddings, attention_mask, cache, kwargs):
-    """(reason or None, causal) for this call."""
+def _unservable(attn, st: _ModuleState, hidden_states, position_embeddings, attention_mask, cache, plain_causal,
+                kwargs):
+    """(reason or None, causal) for this call, from shapes, attributes and static arguments; a mask
+    tensor's values are read only in eager mode, and only when the model did not mark it plain causal."""
     if hidden_states.dim() != 3:
         return f"hidden_states: expected [B, S, hidden], got {tuple(hidden_states.shape)}", True
     batch, seq = hidden_states.shape[:2]
@@ -278,6 +352,11 @@ def _unservable(attn, st: _ModuleState, hidden_states, position_embeddings, atte
         return None, is_causal and not eager
     if not isinstance(attention_mask, Tensor):
         return f"attention_mask: a {type(attention_mask).__name__} (only None or a plain causal tensor)", True
+    if plain_causal:
+        return None, True
+    if torch.compiler.is_compiling():
+        return ("attention_mask: a mask tensor under torch.compile, not built from the model's own inputs "
+                "(its values would need a host read; HF's forward applies it)"), True
     reason = _mask_is_plain_causal(attention_mask, batch, seq)
     return reason, attention_mask.dim() == 4 or is_causal
 
@@ -291,13 +370,14 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
     st: _ModuleState = getattr(self, _STATE_ATTR)
     if cache is None and "past_key_values" in kwargs:
         cache = kwargs.pop("past_key_values")
-    reason, causal = _unservable(self, st, hidden_states, position_embeddings, attention_mask, cache, kwargs)
+    plain_causal = bool(kwargs.pop(_PLAIN_CAUSAL_KWARG, False))
+    reason, causal = _unservable(self, st, hidden_states, position_embeddings, attention_mask, cache, plain_causal,
+                                 kwargs)
+    patch = st.patch
+    patch.record(self, reason)
     if reason is not None:
-        st.patch.fall_back(self, reason)
         return st.original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                            cache=cache, **kwargs)
-    st.patch.served += 1
-    patch = st.patch
     batch, seq = hidden_states.shape[:2]
     tokens = batch * seq
     style = "mla" if self.config.rope_interleave else "neox"
@@ -334,7 +414,7 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
         k, v = mxag.mla_kv_mxfp8(k_nope, k_rot, v, layout="bshd", backend=patch.backend)
     else:
         k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, ROPE_DIM)], dim=-1)            # [B, S, H, 192]
-    st.attention.softmax_scale = float(self.scaling)  # read per call, as HF's forward does
-    o, _ = st.attention(q, k, v, causal=causal)                                               # [B, S, H, 128]
+    # attn.scaling read per call, as HF's forward does (a float: a constant of a compiled graph)
+    o, _ = st.attention(q, k, v, causal=causal, softmax_scale=float(self.scaling))            # [B, S, H, 128]
     out = self.o_proj(o.reshape(batch, seq, heads * V_DIM).to(hidden_states.dtype))
     return out, None

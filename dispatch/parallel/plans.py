@@ -92,7 +92,8 @@ def deepseek_v3_tp_plan(attention: str = "model.layers.*.self_attn", q_lora: boo
 
 class ContextParallelAttention(nn.Module):
     """The attention core of `dispatch.nn.MLAAttention`, over a sequence-sharded process group:
-    `forward(q, k, v, cu_seqlens_q=None, cu_seqlens_kv=None, causal=None) -> (o, lse)` on this rank's
+    `forward(q, k, v, cu_seqlens_q=None, cu_seqlens_kv=None, causal=None, softmax_scale=None) -> (o, lse)`
+    (causal and softmax_scale override the module's settings for the call) on this rank's
     load-balanced shard (`shard_sequence`), through `context_parallel_attention`. Path "mxfp8"
     quantizes plain operands (q, k along D, v along the sequence; straight-through gradient), "bf16"
     casts them to bfloat16; MXTensors pass through. Packed sequences (cu_seqlens) are not sharded by
@@ -113,15 +114,16 @@ class ContextParallelAttention(nn.Module):
         return attention_operand(name, t, axis, self.path, self.backend)
 
     def forward(self, q, k, v, cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_kv: Optional[Tensor] = None,
-                causal: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+                causal: Optional[bool] = None, softmax_scale: Optional[float] = None) -> Tuple[Tensor, Tensor]:
         if cu_seqlens_q is not None or cu_seqlens_kv is not None:
             raise ValueError("cu_seqlens_q: packed sequences are not context-parallel here (one sequence axis "
                              "sharded by shard_sequence)")
         q, k = self._operand("q", q, -1), self._operand("k", k, -1)
         v = self._operand("v", v, SEQ_AXIS[self.layout])
         causal = self.causal if causal is None else bool(causal)
+        scale = self.softmax_scale if softmax_scale is None else float(softmax_scale)
         return context_parallel_attention(q, k, v, group=self.group, causal=causal, layout=self.layout,
-                                          softmax_scale=self.softmax_scale, backend=self.backend)
+                                          softmax_scale=scale, backend=self.backend)
 
     @classmethod
     def like(cls, core: nn.Module, group: Optional[dist.ProcessGroup] = None) -> "ContextParallelAttention":
