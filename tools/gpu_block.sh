@@ -20,7 +20,7 @@ for phase in ${*:-test mla_q block}; do
     # each folder's files together: pytest 9.1 loses tests/conformance/conftest.py's fixtures for a
     # conformance file listed after a file of tests/ that follows another conformance file
     timeout -s INT "${TEST_CAP:-180}" python3 -m pytest tests/conformance/test_mla_q_triton_routes.py \
-      tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q_mx_gluon.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
+      tests/conformance/test_mla_q_triton.py tests/conformance/test_mla_q.py tests/conformance/test_attention.py \
       tests/conformance/test_gemm_triton.py tests/conformance/test_deepseek_v3_cuda.py tests/conformance/test_quantize_triton.py \
       tests/conformance/test_attention_cudnn.py tests/conformance/test_mla_kv.py \
       tests/test_autograd_cuda.py tests/test_mx_concat.py tests/test_mla_kv.py tests/test_fast_launch.py \
