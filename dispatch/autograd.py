@@ -80,6 +80,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils import _python_dispatch
 
 import dispatch as _dispatch
 import dispatch.resolution as _resolution
@@ -177,9 +178,12 @@ def plain_classes(args) -> bool:
 
 
 def plain_eager(args) -> bool:
-    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling:
-    the calls that take the eager path (above), here and in the layers that build their own nodes."""
-    return not torch.compiler.is_compiling() and plain_classes(args)
+    """Every tensor argument a plain torch.Tensor (no subclass: FakeTensor, DTensor, ...), not compiling,
+    and no TorchDispatchMode active (selective activation checkpointing's policy, FLOP counters: they
+    see the custom ops only when the call goes through the dispatcher): the calls that take the eager
+    path (above), here and in the layers that build their own nodes."""
+    return (not torch.compiler.is_compiling() and plain_classes(args)
+            and _python_dispatch._get_current_dispatch_mode() is None)
 
 
 class _EagerOp(torch.autograd.Function):

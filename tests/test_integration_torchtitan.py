@@ -282,3 +282,188 @@ def test_context_parallel_runs_stock():
         converted(tokens, torch.arange(S).repeat(B, 1), tm.causal_block_mask(B, S))
     served, fallbacks = _served(converted)
     assert served == 0 and "context parallelism" in next(iter(fallbacks))
+
+
+# ---- compile per block, activation checkpointing --------------------------------------------------
+
+def _grads(model, tokens, positions, masks):
+    loss = _loss(model, tokens, positions, masks)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
+def test_compile_per_block_fullgraph_matches_eager_without_recompiles(path):
+    """TorchTitan's apply_compile: every block compiled with fullgraph=True (aot_eager: dynamo and AOT
+    autograd trace the block as on a GPU, without Inductor's CPU code generation)."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(), path=path)
+    eager, compiled = tm.build(copy.deepcopy(cfg)), tm.build(copy.deepcopy(cfg))
+    apply_compile(compiled, compile_config=CompileConfig(enable=True, backend="aot_eager"),
+                  parallel_dims=_single_dims())
+    torch.manual_seed(4)
+    tokens = torch.randint(0, 128, (B, S))
+    cases = [(torch.arange(S).repeat(B, 1), tm.causal_block_mask(B, S))]
+    positions = tm.packed_positions(B, S, [20, 7, 37])
+    cases.append((positions, tm.document_block_mask(positions)))
+    torch._dynamo.reset()
+    try:
+        for i, (pos, mask) in enumerate(cases * 2):
+            if i == len(cases):
+                torch.compiler.set_stance("fail_on_recompile")  # the second round reuses every graph
+            for model in (eager, compiled):
+                model.zero_grad()
+            le, ge = _grads(eager, tokens, pos, mask)
+            lc, gc = _grads(compiled, tokens, pos, mask)
+            assert abs(lc.item() - le.item()) <= 1e-5 * abs(le.item())
+            for name in ge:
+                assert _rel(gc[name], ge[name]) <= 1e-5, name  # the same ops; fp32 reassociation only
+    finally:
+        torch.compiler.set_stance("default")
+    served, fallbacks = _served(compiled)
+    assert not fallbacks
+
+
+def _single_dims():
+    from torchtitan.distributed import ParallelDims
+
+    return ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+
+
+def _count_attention_calls(monkeypatch):
+    import dispatch
+
+    calls = __import__("collections").Counter()
+    real = dispatch.run
+
+    def counting(op, *args, **kwargs):
+        calls[op] += 1
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_gradients(policy, monkeypatch):
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(), path="mxfp8")
+    plain, checkpointed = tm.build(copy.deepcopy(cfg)), tm.build(copy.deepcopy(cfg))
+    ac = FullAC.Config() if policy == "full" else tt.MXMLASelectiveAC.Config()
+    ac.build().apply(checkpointed)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, 128, (B, S))
+    positions = torch.arange(S).repeat(B, 1)
+    mask = tm.causal_block_mask(B, S)
+    lp, gp = _grads(plain, tokens, positions, mask)
+    calls = _count_attention_calls(monkeypatch)
+    lc, gc = _grads(checkpointed, tokens, positions, mask)
+    gc = {name.replace("._checkpoint_wrapped_module", ""): g for name, g in gc.items()}
+    assert lc.item() == lp.item() and gc.keys() == gp.keys()
+    for name in gp:
+        assert torch.equal(gc[name], gp[name]), name  # recomputation reproduces the forward exactly
+    # full AC recomputes both layers' attention; selective AC saves it (mxmla_save_ops)
+    assert calls["mla_attention"] == (4 if policy == "full" else 2)
+    assert calls["mla_q_uproj_rope_quant"] == (4 if policy == "full" else 2)
+
+
+def test_selective_ac_save_list_has_mxmla_ops():
+    saved = tt.MXMLASelectiveAC.Config().build().get_save_ops()
+    assert torch.ops.mxmla.mla_attention.default in saved
+    assert torch.ops.mxmla.mla_q_uproj_rope_quant.default in saved
+    assert torch.ops.aten.linear.default in saved  # TorchTitan's own list kept
+
+
+# ---- FSDP2 on 2 gloo ranks -------------------------------------------------------------------------
+
+def _fsdp_rank(rank, world, path, steps, micro):
+    """fully_shard per block and at the root (bf16 params, fp32 reduce), as TorchTitan's FSDP2; each
+    rank runs half of every microbatch; gradient accumulation over `micro` microbatches per step."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dispatch.weights as dw
+    from tests import parallel_spawn
+
+    torch.manual_seed(0)
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(), path=path)
+    reference = tm.build(copy.deepcopy(cfg))  # one process, the whole batch, bf16 parameters
+    for p in reference.parameters():  # parameters only: Module.to(dtype) would drop the complex RoPE cache's
+        p.data = p.data.to(torch.bfloat16)  # imaginary part
+    model = tm.build(copy.deepcopy(cfg))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (as TorchTitan on gloo)
+
+    quantized = []
+    real_quantize = dw.MXFP8Weight.quantize.__func__
+
+    def counting(cls, w, backend=None, rows=None):
+        quantized.append(tuple(w.shape))
+        return real_quantize(cls, w, backend, rows)
+
+    dw.MXFP8Weight.quantize = classmethod(counting)
+    stale = []
+
+    def check_copy(module, args, out):  # the copy this forward used against a fresh quantization
+        w = module.wq_b.weight
+        entry = dw.cached_copy(w)
+        if entry is not None:
+            fresh = real_quantize(dw.MXFP8Weight, w)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in
+                       ((entry.row.data, fresh.row.data), (entry.row.scale, fresh.row.scale),
+                        (entry.col.data, fresh.col.data), (entry.col.scale, fresh.col.scale)))
+            stale.append(not same)
+
+    for m in model.modules():
+        if isinstance(m, tt.MXMLAAttention):
+            m.register_forward_hook(check_copy)
+    data = torch.randint(0, 128, (steps, micro, B, S), generator=torch.Generator().manual_seed(7))
+    local = B // world
+    ref_grads = {}
+    for tokens in data[0]:  # step 0's microbatches in one process, the whole batch
+        (_loss(reference, tokens, torch.arange(S).repeat(B, 1), tm.causal_block_mask(B, S)) / micro).backward()
+    ref_grads = {n: p.grad.float() for n, p in reference.named_parameters()}
+    positions = torch.arange(S).repeat(local, 1)
+    mask = tm.causal_block_mask(local, S)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    results = {"losses": [], "quantized_per_step": []}
+    for step in range(steps):
+        before = len(quantized)
+        for tokens in data[step]:
+            loss = _loss(model, tokens[rank * local:(rank + 1) * local], positions, mask) / micro
+            loss.backward()
+            results["losses"].append(loss.item() * micro)
+        if step == 0:
+            grads = {n: p.grad.full_tensor().float() for n, p in model.named_parameters()}
+            results["grad_errors"] = {n: _rel(grads[n], ref_grads[n]) for n in grads}
+        opt.step()
+        opt.zero_grad()
+        results["quantized_per_step"].append(len(quantized) - before)
+    model.load_state_dict(initial)  # a write outside the optimizer: the next forward's copy is still fresh
+    _loss(model, data[0, 0, rank * local:(rank + 1) * local], positions, mask).backward()
+    results["stale"] = stale
+    return results
+
+
+@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
+def test_fsdp2_two_ranks_match_one_process_and_copies_stay_fresh(path):
+    from tests import parallel_spawn
+
+    steps, micro = 3, 2
+    per_rank = parallel_spawn.run_ranks(_fsdp_rank, 2, path, steps, micro, timeout=240)
+    for results in per_rank:
+        bad = {n: e for n, e in results["grad_errors"].items() if e > GRAD_BOUND["bf16"]}
+        assert not bad, bad  # bf16 params on both sides: the bf16 bound
+        if path == "mxfp8":  # every forward's copy equals a fresh quantization of the gathered weight
+            assert len(results["stale"]) == 2 * (steps * micro + 1) and not any(results["stale"])
+        # q's weight copy: at most once per layer per forward, i.e. per microbatch (dispatch.weights keys
+        # on the storage, and the gathered weight's moves between all-gathers on the CPU allocator;
+        # where the allocator hands the block back, the copy is reused until the next optimizer step)
+        layers, made = 2, results["quantized_per_step"]
+        assert all(layers <= n <= layers * micro for n in made) or path == "bf16", made

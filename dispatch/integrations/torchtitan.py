@@ -68,10 +68,12 @@ from torch import Tensor
 
 import dispatch.autograd as mxag
 from dispatch.nn import PATHS, mla_q_projection
+from dispatch.weights import invalidate
 
 try:  # the optional extra `.[torchtitan]`
     from torch.nn.attention.flex_attention import BlockMask, and_masks
     from torchtitan.config import derive, override
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.common.attention import (
         VarlenAttention,
         VarlenMetadata,
@@ -86,7 +88,8 @@ except ImportError as _error:  # pragma: no cover - exercised only without torch
     raise ImportError("dispatch.integrations.torchtitan needs TorchTitan: pip install 'mxmla[torchtitan]' "
                       f"(torchtitan==0.3.0); import failed with: {_error}") from _error
 
-__all__ = ["MXMLAAttention", "MXMLAConverter", "convert_deepseek_v3", "mxmla_attention"]
+__all__ = ["MXMLAAttention", "MXMLAConverter", "MXMLASelectiveAC", "convert_deepseek_v3", "mxmla_attention",
+           "mxmla_save_ops"]
 
 log = logging.getLogger("mxmla.integrations")
 
@@ -199,6 +202,10 @@ def _check_config(cfg, path: str) -> None:
                          f"got {width}")
 
 
+def _drop_weight_copies(module, incompatible_keys) -> None:
+    invalidate()
+
+
 class MXMLAAttention(Attention):
     """TorchTitan's DeepSeek-V3 `Attention` whose forward runs mxmla's MLA path (module docstring)."""
 
@@ -218,6 +225,9 @@ class MXMLAAttention(Attention):
         self.mxmla_fallbacks: Counter = Counter()
         self.mxmla_served = 0
         self._context_parallel = False
+        # a load writes the parameters outside an optimizer step; under FSDP2 the gathered weight the
+        # copies were keyed on does not see it, so every cached copy goes (dispatch.weights.invalidate)
+        self.register_load_state_dict_post_hook(_drop_weight_copies)
 
     def parallelize(self, parallel_dims) -> None:
         self._context_parallel = bool(getattr(parallel_dims, "cp_enabled", False))
@@ -399,3 +409,27 @@ class MXMLAConverter(ModelConfigConverter):
 def mxmla_attention(cfg, path: str = "mxfp8", backend: Optional[str] = None, quantize_grad: bool = True):
     """`--override.imports dispatch.integrations.torchtitan.mxmla_attention` (kwargs as JSON)."""
     return _derive(cfg, path, backend, quantize_grad)
+
+
+# --------------------------------------------------------------------------------------------------
+# Selective activation checkpointing
+# --------------------------------------------------------------------------------------------------
+
+def mxmla_save_ops() -> set:
+    """mxmla's ops whose outputs selective activation checkpointing saves rather than recomputes: the
+    attention (o, lse) and the fused query up-projection (q's codes and scales), the two GEMM-sized ops
+    of the path (the quantizes, RMSNorm and RoPE are recomputed)."""
+    ops = torch.ops.mxmla
+    return {ops.mla_attention.default, ops.mla_q_uproj_rope_quant.default}
+
+
+class MXMLASelectiveAC(SelectiveAC):
+    """TorchTitan's per-op selective activation checkpointing with mxmla's ops in the save list
+    (`mxmla_save_ops`): `Trainer.Config(activation_checkpoint=MXMLASelectiveAC.Config())`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        return super().get_save_ops() | mxmla_save_ops()
