@@ -171,6 +171,7 @@ def _bad_inputs():
         ("q, k", lambda: context_parallel_attention(q, k[:, :64], v[:, :64])),
         ("q", lambda: context_parallel_attention(q[:, :33], k[:, :33], v[:, :33])),
         ("causal", lambda: context_parallel_attention(q, k, v, causal=1)),
+        ("group", lambda: context_parallel_attention(*(t.to("meta") for t in (q, k, v)))),  # gloo: host memory only
         ("x", lambda: shard_sequence(q[:, : 2 * world + 1], 1)),
         ("S", lambda: shard_positions(2 * world + 2)),
         ("dim", lambda: shard_sequence(q, 4)),

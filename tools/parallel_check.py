@@ -33,7 +33,6 @@ import copy
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -85,24 +84,22 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------------
 
 def init_distributed():
-    """Join torchrun's group (env:// rendezvous), or make a one-process group; (device, whether made here)."""
-    cuda = torch.cuda.is_available()
-    if dist.is_initialized():
-        made = False
-    elif "RANK" in os.environ:
-        if cuda:
+    """Join the group already made (a test's gloo ranks), or torchrun's (env:// rendezvous), or make a
+    one-process group in this process's memory; (device, whether made here). The device follows the
+    group's backend: CUDA with NCCL, the CPU with gloo (whose point-to-point ops move host memory only),
+    also on a machine with a GPU."""
+    made = not dist.is_initialized()
+    if made:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
-        made = True
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
-        made = True
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return device, made
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device()), made
+    return torch.device("cpu"), made
 
 
 def block_config(args, world: int):

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import dispatch as _dispatch
+from backends.convert import device_of
 from spec.attention import SEQ_AXIS, validate_mla_attention
 from spec.checks import shape_checks_only
 from spec.constants import BLOCK_SIZE
@@ -131,7 +132,13 @@ def _merge_into(o_acc: Tensor, lse_acc: Tensor, o_blk: Tensor, lse_blk: Tensor, 
 # validation
 # --------------------------------------------------------------------------------------------------
 
-def _validate(q, k, v, causal, layout, softmax_scale, world) -> None:
+def _validate(q, k, v, causal, layout, softmax_scale, group, world) -> None:
+    if world > 1 and dist.get_backend(group) == "gloo" and device_of(q, k, v).type != "cpu":
+        # gloo's send / recv hand the tensor's address to its socket transport, which reads and writes it
+        # from the host: a CUDA address fails there (the rank's transport dies, its peers see the
+        # connection closed), so name the group instead.
+        raise ValueError(f"group: a gloo group moves host memory only; q, k, v are on "
+                         f"{device_of(q, k, v)}: use an NCCL group for CUDA tensors (or CPU tensors with gloo)")
     if layout not in _LAYOUTS:
         raise ValueError(f"layout: context_parallel_attention takes one of {_LAYOUTS} (a sequence axis to "
                          f"shard), got {layout!r}")
@@ -266,7 +273,7 @@ def context_parallel_attention(q: Any, k: Any, v: Any, group: Optional[dist.Proc
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {causal!r}")
     world, _ = group_size_rank(group)
-    _validate(q, k, v, causal, layout, softmax_scale, world)
+    _validate(q, k, v, causal, layout, softmax_scale, group, world)
     slots = [to_slots(t) for t in (q, k, v)]
     formats = tuple(s[3] for s in slots)
     scale = None if softmax_scale is None else float(softmax_scale)
