@@ -1,0 +1,36 @@
+"""tools/junit_summary.py: per-file counts and seconds, files of the same name in different folders kept
+apart, class-based tests counted under their file, failures listed with their first line."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("junit_summary", os.path.join(ROOT, "tools", "junit_summary.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_per_file(tmp_path, capsys):
+    xml = tmp_path / "tests.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.conformance.test_rope" name="a" time="1.5"/>'
+                   '<testcase classname="tests.test_rope" name="b" time="0.5"><skipped message="no GPU"/></testcase>'
+                   '<testcase classname="tests.test_rope.TestK" name="c" time="0.25">'
+                   '<failure message="boom&#10;detail"/></testcase>'
+                   '</testsuite></testsuites>')
+    assert _tool().main(str(xml)) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert rows[1:] == [["conformance/test_rope.py", "1", "0", "0", "1.5"],
+                        ["test_rope.py", "0", "1", "1", "0.8"],
+                        ["total", "1", "1", "1", "2.2"],
+                        ["FAILED", "tests.test_rope.TestK::c:", "boom"]]
+
+
+def test_unreadable_file_says_so(tmp_path, capsys):
+    assert _tool().main(str(tmp_path / "missing.xml")) == 1
+    assert "no readable" in capsys.readouterr().out
