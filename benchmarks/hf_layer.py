@@ -4,22 +4,29 @@
 Not one of `mxmla bench`'s bench_*.py scripts: it needs the optional `[hf]` extra (transformers).
 
     python benchmarks/hf_layer.py --out OUT_DIR                  # layer timing + memory (CUDA)
+    python benchmarks/hf_layer.py --reduce-overhead --out OUT_DIR  # plus CUDA-graph compile rows
     python benchmarks/hf_layer.py --train 200 --out OUT_DIR      # plus 200 training steps, 2 layers
-    python benchmarks/hf_layer.py --smoke --train 5              # tiny, CPU, seconds
+    python benchmarks/hf_layer.py --smoke --train 5              # tiny, CPU (compile rows: aot_eager)
 
 Layer (timing): one `DeepseekV3DecoderLayer` with DeepSeek-V3's attention (hidden 7168, 128 heads,
 q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, rope_interleave=True), random
 init (HF's own init, initializer_range 0.02), bf16 weights. Layer 0 is dense
 (first_k_dense_replace=1): a `DeepseekV3MLP` of intermediate size 2048 (--intermediate) instead of
 DeepSeek-V3's 18432 dense / MoE layers, so that the attention, the part mxmla changes, is most of
-the layer's time. Input [B=1, S=4096, 7168] bf16, cos / sin from HF's rotary embedding, mask None
-(sdpa: causal). Forward + backward (dL/dout a fixed random tensor; gradients of the input and of
-every weight) timed with CUDA events, the variants in turns (unpatched; bf16; mxfp8, which
-re-quantizes q_b_proj's weight every call as one micro-batch per optimizer step does; mxfp8_cached,
-which reuses it as the later micro-batches of a gradient-accumulation step do), repeated --rounds
-times, --iters calls each, median of all timed calls after --warmup calls per variant.
-Peak memory: torch.cuda.max_memory_allocated during one forward + backward, minus what was
-allocated before it (weights, grads, input).
+the layer's time. Input [B=1, S=4096, 7168] bf16 (--batch, --seq), cos / sin from HF's rotary
+embedding, mask None (sdpa: causal). One step is a training step of the layer: forward, backward
+(dL/dout a fixed random tensor; gradients of the input and of every weight), and an in-place update
+of every weight (p -= 1e-7 * grad, foreach; it bumps the weights' versions, so the mxfp8 path's
+eager weight cache re-quantizes q_b_proj every step as in training with one micro-batch per step).
+Rows, timed in turns in one process: unpatched (HF's sdpa attention), mxfp8 and bf16 (patched),
+each eager and under torch.compile of the layer (`_compile` rows: fullgraph=True, --compile-backend,
+default inductor; the weight update stays eager), plus `_compile_ro` rows (mode="reduce-overhead",
+CUDA graphs) with --reduce-overhead. Each row runs --warmup steps (the first one compiles; its
+output and input gradient are compared with unpatched eager's, all weights still equal), then
+--rounds rounds of --iters steps back to back (CUDA events between steps, one synchronize per
+round); the median of all timed steps is reported. A recompile after the warm-up raises.
+Peak memory: torch.cuda.max_memory_allocated during one step, minus what was allocated before it
+(weights, input).
 
 Training (--train N): a 2-layer `DeepseekV3ForCausalLM` (hidden 1024, 8 heads, q_lora 512, kv_lora
 256, the real head dims, dense MLPs of 2816, vocabulary 4096, fp32 weights), AdamW lr 1e-3 with 20
@@ -45,12 +52,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 
 VARIANTS = ("unpatched", "bf16", "mxfp8")
-# Layer timing: "mxfp8" re-quantizes q_b_proj's weight every call (one micro-batch per optimizer step);
-# "mxfp8_cached" reuses it (the later micro-batches of a gradient-accumulation step).
-LAYER_VARIANTS = VARIANTS + ("mxfp8_cached",)
-
+# Layer timing rows: each path eager and compiled (the "_compile_ro" rows only with --reduce-overhead)
+LAYER_VARIANTS = ("unpatched", "unpatched_compile", "mxfp8", "mxfp8_compile", "bf16", "bf16_compile")
+REDUCE_OVERHEAD_VARIANTS = ("unpatched_compile_ro", "mxfp8_compile_ro", "bf16_compile_ro")
+UPDATE_LR = 1e-7  # the in-place update writes every weight; it barely moves them (bf16 weights ~0.02)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,7 +73,11 @@ def parse_args(argv=None):
     ap.add_argument("--iters", type=int, default=5, help="timed calls per variant per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default=None, help="mxmla backend (default: automatic; smoke: torch)")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend of the _compile rows "
+                    "(default inductor; smoke: aot_eager)")
+    ap.add_argument("--reduce-overhead", action="store_true", help="also the mode=\"reduce-overhead\" rows (CUDA)")
     args = ap.parse_args(argv)
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")
     if args.smoke:
         args.backend = args.backend or "torch"
         args.seq = args.seq or 64
@@ -105,28 +117,40 @@ def _patch(module, variant, backend):
 # Layer timing
 # --------------------------------------------------------------------------------------------------
 
-class _Clock:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+def _steps_ms(step, n: int, cuda: bool) -> list:
+    """n steps back to back: ms of each, from CUDA events between the steps (one synchronize at the
+    end) or the host clock on the CPU."""
+    if cuda:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        events[0].record()
+        for i in range(n):
+            step()
+            events[i + 1].record()
+        events[-1].synchronize()
+        return [events[i].elapsed_time(events[i + 1]) for i in range(n)]
+    marks = [time.perf_counter()]
+    for _ in range(n):
+        step()
+        marks.append(time.perf_counter())
+    return [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
 
-    def time_ms(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+
+def _layer_call(layer, variant, args):
+    """The layer itself (eager rows) or its torch.compile (fullgraph; "_ro": reduce-overhead)."""
+    if "_compile" not in variant:
+        return layer
+    mode = "reduce-overhead" if variant.endswith("_ro") else None
+    return torch.compile(layer, backend=args.compile_backend, mode=mode, fullgraph=True, dynamic=False)
 
 
 def bench_layer(args, device) -> dict:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RotaryEmbedding
 
+    from dispatch.integrations.transformers import patch_state
+
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
+    variants = LAYER_VARIANTS + (REDUCE_OVERHEAD_VARIANTS if args.reduce_overhead and cuda else ())
     config = _config(args.smoke, intermediate_size=args.intermediate, first_k_dense_replace=1,
                      max_positions=args.seq)
     torch.manual_seed(0)
@@ -142,74 +166,81 @@ def bench_layer(args, device) -> dict:
     grad_out = torch.randn(h.shape, generator=gen).to(device, dtype)
     position_ids = torch.arange(args.seq, device=device)[None]
     cos, sin = rotary(h, position_ids)
-    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in LAYER_VARIANTS}
+    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in variants}
     del base
-    inputs = {v: h.clone().requires_grad_(True) for v in LAYER_VARIANTS}
-
-    from dispatch.weights import invalidate
+    calls = {v: _layer_call(layers[v], v, args) for v in variants}
+    params = {v: list(layers[v].parameters()) for v in variants}
+    inputs = {v: h.clone().requires_grad_(True) for v in variants}
+    first = {}  # each row's first output and input gradient, all weights still equal
 
     def step(variant):
-        layer, x = layers[variant], inputs[variant]
-        if variant == "mxfp8":
-            invalidate(layer.self_attn.q_b_proj.weight)
-        out = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
+        if variant.endswith("_ro"):
+            torch.compiler.cudagraph_mark_step_begin()
+        x = inputs[variant]
+        out = calls[variant](x, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
         out.backward(grad_out)
-
-    def clear(variant):
-        inputs[variant].grad = None
-        for p in layers[variant].parameters():
+        if variant not in first:
+            first[variant] = (out.detach().float(), x.grad.float())
+        ps = [p for p in params[variant] if p.grad is not None]
+        with torch.no_grad():
+            torch._foreach_add_(ps, [p.grad for p in ps], alpha=-UPDATE_LR)
+        for p in ps:
             p.grad = None
+        x.grad = None
 
-    clock = _Clock(cuda)
-    times = {v: [] for v in LAYER_VARIANTS}
-    first_call_s = {}
-    for v in LAYER_VARIANTS:  # warm-up (compiles, autotunes, fills the weight caches)
+    times = {v: [] for v in variants}
+    first_call_s, errors = {}, {}
+    for v in variants:  # warm-up: compiles, fills the weight caches
         t0 = time.perf_counter()
-        step(v)
-        if cuda:
-            torch.cuda.synchronize()
+        try:
+            step(v)
+            if cuda:
+                torch.cuda.synchronize()
+        except Exception as e:  # an optional CUDA-graph row that cannot run is reported, not fatal
+            if not v.endswith("_ro"):
+                raise
+            errors[v] = f"{type(e).__name__}: {e}"
+            continue
         first_call_s[v] = time.perf_counter() - t0
         for _ in range(args.warmup - 1):
             step(v)
-    for _ in range(args.rounds):
-        for v in LAYER_VARIANTS:
-            for _ in range(args.iters):
-                times[v].append(clock.time_ms(lambda: step(v)))
-    peak = {}
-    for v in LAYER_VARIANTS:
-        clear(v)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step(v)
-            torch.cuda.synchronize()
-            peak[v] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
-        else:
-            step(v)
-            peak[v] = None
-    # outputs agree: one forward of each variant against the unpatched one
-    with torch.no_grad():
-        outs = {v: layers[v](h, attention_mask=None, position_ids=position_ids, position_embeddings=(cos, sin))
-                for v in LAYER_VARIANTS}
-    ref = outs["unpatched"].float()
-    rel = {v: float((outs[v].float() - ref).norm() / ref.norm()) for v in LAYER_VARIANTS}
-    grads = {v: inputs[v].grad.float() for v in LAYER_VARIANTS}
-    grad_cos = {v: float(torch.nn.functional.cosine_similarity(grads[v].flatten(), grads["unpatched"].flatten(), dim=0))
-                for v in LAYER_VARIANTS}
-    from dispatch.integrations.transformers import patch_state
-
-    fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in LAYER_VARIANTS if v != "unpatched"}
-    med = {v: statistics.median(times[v]) for v in LAYER_VARIANTS}
+    variants = tuple(v for v in variants if v not in errors)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile would be timed: raise instead
+        for _ in range(args.rounds):
+            for v in variants:
+                times[v].extend(_steps_ms(lambda: step(v), args.iters, cuda))
+        peak = {}
+        for v in variants:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step(v)
+                torch.cuda.synchronize()
+                peak[v] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+            else:
+                step(v)
+                peak[v] = None
+    ref_out, ref_grad = first["unpatched"]
+    rel = {v: float((first[v][0] - ref_out).norm() / ref_out.norm()) for v in variants}
+    grad_cos = {v: float(torch.nn.functional.cosine_similarity(first[v][1].flatten(), ref_grad.flatten(), dim=0))
+                for v in variants}
+    fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in variants if not v.startswith("unpatched")}
+    traced = {v: dict(patch_state(layers[v]).traced) for v in variants
+              if not v.startswith("unpatched") and "_compile" in v}
+    med = {v: statistics.median(times[v]) for v in variants}
     return {
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "q_lora_rank": config.q_lora_rank,
                   "kv_lora_rank": config.kv_lora_rank, "mlp": f"dense DeepseekV3MLP, intermediate {args.intermediate}",
                   "dtype": "bfloat16"},
+        "step": f"forward + backward + in-place weight update (lr {UPDATE_LR})",
+        "compile_backend": args.compile_backend, "variants": list(variants), "errors": errors,
         "ms_median": med, "ms_all": times, "first_call_s": first_call_s, "peak_gib": peak,
-        "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in LAYER_VARIANTS},
+        "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in variants},
         "out_rel_err_vs_unpatched": rel, "input_grad_cosine_vs_unpatched": grad_cos, "fallbacks": fallbacks,
+        "traced": traced,
     }
 
 
@@ -296,16 +327,22 @@ def _table(res: dict) -> str:
     layer = res.get("layer")
     if layer:
         s = layer["shape"]
-        lines.append(f"DeepseekV3DecoderLayer fwd+bwd, B{s['batch']} S{s['seq']} hidden {s['hidden']} H{s['heads']} "
-                     f"({s['mlp']}), {res['device']}")
-        lines.append(f"  {'variant':12} {'ms':>9} {'vs sdpa':>8} {'peak GiB':>9} {'out rel err':>12}")
-        for v in LAYER_VARIANTS:
+        lines.append(f"DeepseekV3DecoderLayer fwd+bwd+update step, B{s['batch']} S{s['seq']} hidden {s['hidden']} "
+                     f"H{s['heads']} ({s['mlp']}), {res['device']}, compile backend {layer['compile_backend']}")
+        lines.append(f"  {'variant':20} {'ms':>9} {'vs sdpa':>8} {'peak GiB':>9} {'out rel err':>12} {'first s':>8}")
+        for v in layer["variants"]:
             peak = layer["peak_gib"][v]
-            lines.append(f"  {v:12} {layer['ms_median'][v]:9.2f} {layer['speedup_vs_unpatched'][v]:7.3f}x "
-                         f"{'n/a' if peak is None else f'{peak:.2f}':>9} {layer['out_rel_err_vs_unpatched'][v]:12.2e}")
-        lines.append("  (mxfp8: q_b_proj re-quantized every call, one micro-batch per step; mxfp8_cached: reused)")
+            lines.append(f"  {v:20} {layer['ms_median'][v]:9.2f} {layer['speedup_vs_unpatched'][v]:7.3f}x "
+                         f"{'n/a' if peak is None else f'{peak:.2f}':>9} {layer['out_rel_err_vs_unpatched'][v]:12.2e} "
+                         f"{layer['first_call_s'][v]:8.1f}")
+        lines.append("  (_compile: torch.compile of the layer, fullgraph; _ro: mode=\"reduce-overhead\"; "
+                     "first s: the first step, compile included)")
         if any(layer["fallbacks"].values()):
             lines.append(f"  FALLBACKS: {layer['fallbacks']}")
+        if any(t != {"served": 1} for t in layer["traced"].values()):
+            lines.append(f"  COMPILED NOT SERVED ONCE: {layer['traced']}")
+        for v, e in layer["errors"].items():
+            lines.append(f"  {v} did not run: {e}")
     tr = res.get("train")
     if tr:
         c = tr["config"]
@@ -332,6 +369,8 @@ def main(argv=None) -> int:
     import transformers
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny ops: a second thread mostly waits (and CI's cores are shared)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
            "torch": torch.__version__, "transformers": transformers.__version__, "backend": args.backend,
            "smoke": args.smoke, "args": vars(args)}
