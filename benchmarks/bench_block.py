@@ -6,9 +6,14 @@ kv_lora 512, head dims 128 + 64 / 128), forward + backward, on every path a user
   bf16     the same block in bf16 through mxmla (bf16 GEMM, rope, mla_attention)
   torch    pure torch bf16: matmuls, RoPE in torch, F.scaled_dot_product_attention (its fastest backend)
   compile  torch.compile of the pure-torch block
+  mxfp8-compile  torch.compile(fullgraph=True) of the mxfp8 block: the same custom ops (RMSNorm + fused Q
+           up-projection as one op, k and v as one op, attention), backends resolved at trace time, W_UQ's
+           persistent MXFP8 copies read as graph inputs (refreshed in place after each step)
+  bf16-compile   torch.compile(fullgraph=True) of the bf16 block
 
     python benchmarks/bench_block.py [--quick] [--shapes B1S4096,B2S4096,B1S16384] [--paths ...] [--json PATH]
     python benchmarks/bench_block.py --smoke          # tiny config on CPU (torch backend), seconds
+    python benchmarks/bench_block.py --smoke --paths mxfp8,mxfp8-compile,bf16-compile   # compiled with aot_eager
 
 A step is forward + backward of the block with its input already on the GPU (h [B*S, 7168] bf16 with
 requires_grad, a fixed random output gradient), the weights' gradients set to None before each step
@@ -50,7 +55,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 import benchlib  # noqa: E402
 
-PATHS = ("mxfp8", "bf16", "torch", "compile")
+PATHS = ("mxfp8", "bf16", "torch", "compile", "mxfp8-compile", "bf16-compile")
+BLOCK_PATH = {"compile": "torch", "mxfp8-compile": "mxfp8", "bf16-compile": "bf16"}  # compiled path -> block
 DEFAULT_SHAPES = ("B1S4096", "B2S4096", "B1S16384")
 
 
@@ -91,8 +97,9 @@ def parse_args(argv=None):
     bad = [p for p in paths if p not in PATHS]
     if bad or not paths:
         ap.error(f"--paths: expected names from {', '.join(PATHS)}, got {args.paths!r}")
-    if "compile" in paths and (args.no_compile or (args.smoke and args.paths == ",".join(PATHS))):
-        paths.remove("compile")  # --smoke: torch.compile on a CPU means a C++ toolchain and minutes
+    if args.no_compile or (args.smoke and args.paths == ",".join(PATHS)):
+        # --smoke: torch.compile on a CPU means a C++ toolchain and minutes (name the paths to run them)
+        paths = [p for p in paths if p not in BLOCK_PATH]
     args.paths = paths
     if args.shapes:
         args.shape_list = [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
@@ -126,9 +133,17 @@ class Bench:
     """One path's block, inputs and step function."""
 
     def __init__(self, cfg, path: str, backend=None, seed: int = 0):
-        block_path = "torch" if path == "compile" else path
+        block_path = BLOCK_PATH.get(path, path)
         self.block = mb.MLABlock(cfg, block_path, quantize_grad=True, backend=backend).reset_parameters(seed).to(DEVICE)
-        self.forward = torch.compile(self.block) if path == "compile" else self.block
+        if path == "compile":
+            self.forward = torch.compile(self.block)
+        elif path in BLOCK_PATH:
+            # the mxmla blocks in one graph (fullgraph: a graph break raises); on a CPU (--smoke) without
+            # Inductor's C++ toolchain: AOTAutograd's graphs run eagerly
+            self.forward = torch.compile(self.block, fullgraph=True,
+                                         backend="inductor" if DEVICE == "cuda" else "aot_eager")
+        else:
+            self.forward = self.block
         gen = torch.Generator().manual_seed(seed + 7)
         self.h = (torch.randn(cfg.tokens, cfg.hidden, generator=gen)).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
         self.dout = (torch.randn(cfg.tokens, cfg.hidden, generator=gen) * 1e-3).to(torch.bfloat16).to(DEVICE)
@@ -526,7 +541,7 @@ def measure(rec: benchlib.Recorder, args) -> None:
             torch.cuda.empty_cache()
 
 
-COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 8, ""), ("step_ms", "step ms", 9, ".3f"),
+COLUMNS = [("shape", "shape", 10, ""), ("path", "path", 13, ""), ("step_ms", "step ms", 9, ".3f"),
            ("fwd_ms", "fwd ms", 8, ".3f"), ("bwd_ms", "bwd ms", 8, ".3f"), ("ratio", "vs torch", 8, ".3f"),
            ("vs_bf16", "vs bf16", 8, ".3f"), ("b2b_ms", "b2b ms", 8, ".3f"), ("b2b_ratio", "b2b/torch", 9, ".3f"), ("b2b_vs_bf16", "b2b/bf16", 8, ".3f"),
            ("host_ms", "host ms", 8, ".2f"), ("gpu_bound_ms", "gpu-bound", 9, ".2f"), ("peak_act_gib", "act GiB", 8, ".3f"), ("peak_gib", "peak GiB", 9, ".3f"),

@@ -168,9 +168,14 @@ def _register_autograd(op, backward, setup_context) -> None:
 
 
 def plain_classes(args) -> bool:
-    """Every tensor argument of the plain classes torch.Tensor / nn.Parameter (no subclass: DTensor,
-    ...). While dynamo traces, tensors show their user-visible class: plain ones pass."""
+    """Every tensor argument (MXTensors' codes and scales included) of the plain classes torch.Tensor /
+    nn.Parameter (no subclass: DTensor, ...). While dynamo traces, tensors show their user-visible
+    class: plain ones pass."""
     for a in args:
+        if isinstance(a, MXTensor):
+            if not plain_classes((a.data, a.scale)):
+                return False
+            continue
         # exact classes: a DTensor parameter passes isinstance(Parameter) but is a DTensor
         if isinstance(a, Tensor) and type(a) is not Tensor and type(a) is not torch.nn.Parameter:
             return False
@@ -302,6 +307,23 @@ def _validate(op: str, *args, **kwargs) -> None:
 _run = _resolution.run  # dispatch.run, or a backend resolved at trace time called directly
 
 
+def _trace_choice(op: str, backend: Optional[str], *args, contiguous: Tuple[int, ...] = (), **kwargs):
+    """The `backend` a wrapper hands its custom op: while torch.compile traces plain tensors, the choice
+    for these arguments (as the op will pass them to the backend; `contiguous`: positions it makes
+    contiguous) resolved now (dispatch.resolution), so the compiled op runs no selection; else as given."""
+    if torch.compiler.is_compiling() and plain_classes(list(args) + list(kwargs.values())):
+        return _resolution.resolve(op, *args, backend=backend, contiguous=contiguous, **kwargs)
+    return backend
+
+
+def _backward_choice(backend: Optional[str], op: str, *args, contiguous: Tuple[int, ...] = (), **kwargs):
+    """The backend of an autograd rule's backward op: resolved (from the same request) when the forward's
+    was, i.e. while AOTAutograd traces the backward of a compiled graph; else the forward's."""
+    if _resolution.is_resolved(backend):
+        return _resolution.resolve(op, *args, backend=backend, contiguous=contiguous, **kwargs)
+    return backend
+
+
 def _contiguous(t: Any) -> Any:
     return t.contiguous() if isinstance(t, Tensor) else t
 
@@ -315,7 +337,7 @@ def _quantize_op(x: Tensor, axes: List[int], elem: str, scale_mode: str, nonfini
                  backend: Optional[str]) -> List[Tensor]:
     """[proxy, codes_0, scales_0, codes_1, scales_1, ...]: one (codes, scales) pair per axis."""
     axis = tuple(axes) if len(axes) > 1 else axes[0]
-    outs = _dispatch.run("mxfp8_quantize", x, axis=axis, elem=elem, scale_mode=scale_mode,
+    outs = _run("mxfp8_quantize", x, axis=axis, elem=elem, scale_mode=scale_mode,
                          nonfinite=nonfinite, scale_layout=scale_layout, backend=backend)
     outs = outs if isinstance(outs, tuple) else (outs,)
     result = [grad_proxy(x.shape, x.dtype, x.device)]
@@ -354,6 +376,8 @@ def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = 
               scale_layout=scale_layout, backend=backend)
     as_tuple = isinstance(axis, (tuple, list))
     axes = [int(a) for a in axis] if as_tuple else [int(axis)]
+    backend = _trace_choice("mxfp8_quantize", backend, x, axis=tuple(axes) if len(axes) > 1 else axes[0], elem=elem,
+                            scale_mode=scale_mode, nonfinite=nonfinite, scale_layout=scale_layout)
     out = _call(_quantize_op, x, axes, elem, scale_mode, nonfinite, scale_layout, backend)
     proxy = out[0]
     tensors = tuple(_tracked(out[1 + 2 * i], out[2 + 2 * i], a % x.dim(), elem, scale_layout, proxy)
@@ -365,7 +389,7 @@ def mxfp8_quantize(x: Tensor, axis: Union[int, Sequence[int]] = -1, elem: str = 
 def _dequantize_op(value: Optional[Tensor], codes: Tensor, scales: Tensor, fmt: str, out_dtype: str,
                    backend: Optional[str]) -> Tensor:
     t = _operand(value, codes, scales, fmt)
-    return _dispatch.run("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend).contiguous()
+    return _run("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend).contiguous()
 
 
 @_dequantize_op.register_fake
@@ -390,6 +414,7 @@ def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32", backend: Optional[
     """Dequantized values of t; the gradient goes straight through to t's proxy (if tracked)."""
     _validate("mxfp8_dequantize", t, out_dtype=out_dtype, backend=backend)
     value, codes, scales, fmt = _slots(t)
+    backend = _trace_choice("mxfp8_dequantize", backend, t, out_dtype=out_dtype)
     return _call(_dequantize_op, value, codes, scales, fmt, out_dtype, backend)
 
 
@@ -402,7 +427,7 @@ def _rope_op(x: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str, cu_se
              positions: Optional[Tensor], start_positions: Optional[Tensor], cp_size: int, cp_rank: int,
              out_dtype: Optional[str], backend: Optional[str]) -> Tensor:
     # x as it is: every backend honours its strides (a k_pe sliced from the kv projection is not copied)
-    return _dispatch.run("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
+    return _run("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
                          positions=positions, start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
                          out_dtype=out_dtype, backend=backend).contiguous()
 
@@ -417,7 +442,7 @@ def _(x, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_siz
 def _rope_backward_op(grad: Tensor, cos: Tensor, sin: Tensor, style: str, layout: str,
                       cu_seqlens: Optional[Tensor], positions: Optional[Tensor], start_positions: Optional[Tensor],
                       cp_size: int, cp_rank: int, out_dtype: Optional[str], backend: Optional[str]) -> Tensor:
-    return _dispatch.run("rope_backward", grad.contiguous(), cos, sin, style=style, layout=layout,
+    return _run("rope_backward", grad.contiguous(), cos, sin, style=style, layout=layout,
                          cu_seqlens=cu_seqlens, positions=positions, start_positions=start_positions,
                          cp_size=cp_size, cp_rank=cp_rank, out_dtype=out_dtype, backend=backend).contiguous()
 
@@ -439,6 +464,9 @@ def _rope_backward(ctx, grad):
         return (None,) * 12
     cos, sin, cu_seqlens, positions, start_positions = ctx.saved_tensors
     style, layout, cp_size, cp_rank, x_dtype, backend = ctx.options
+    backend = _backward_choice(backend, "rope_backward", grad, cos, sin, contiguous=(0,), style=style, layout=layout,
+                               cu_seqlens=cu_seqlens, positions=positions, start_positions=start_positions,
+                               cp_size=cp_size, cp_rank=cp_rank, out_dtype=x_dtype)
     # The gradient arrives in the output's dtype; rope_backward accepts any float dtype, and out_dtype
     # returns dx in x's dtype (one rounding from the fp32 result).
     dx = _call(_rope_backward_op, grad, cos, sin, style, layout, cu_seqlens, positions, start_positions, cp_size,
@@ -457,6 +485,9 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor, style: str = "mla", layout: str = 
     _validate("rope", x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens, positions=positions,
               start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank, out_dtype=out_dtype,
               backend=backend)
+    backend = _trace_choice("rope", backend, x, cos, sin, style=style, layout=layout, cu_seqlens=cu_seqlens,
+                            positions=positions, start_positions=start_positions, cp_size=int(cp_size),
+                            cp_rank=int(cp_rank), out_dtype=out_dtype)
     return _call(_rope_op, x, cos, sin, style, layout, cu_seqlens, positions, start_positions, int(cp_size),
                     int(cp_rank), out_dtype, backend)
 
@@ -474,7 +505,7 @@ def _mla_q_op(x: Optional[Tensor], x_codes: Optional[Tensor], x_scales: Optional
               quantize_grad: bool, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(q proxy bf16 [T, H, 192], q_row codes, q_row scales, q_col codes, q_col scales). The x_t / w_n
     slots are not read here: they are inputs only so that the backward can have them."""
-    q_row, q_col = _dispatch.run("mla_q_uproj_rope_quant", _operand(x, x_codes, x_scales, x_format),
+    q_row, q_col = _run("mla_q_uproj_rope_quant", _operand(x, x_codes, x_scales, x_format),
                                  _operand(w, w_codes, w_scales, w_format), cos, sin, backend=backend)
     proxy = grad_proxy(q_row.data.shape, torch.bfloat16, cos.device)
     return (proxy, q_row.data.view(torch.uint8).contiguous(), q_row.scale.contiguous(),
@@ -504,12 +535,12 @@ def _mla_q_backward_op(dq: Tensor, x: Optional[Tensor], x_codes: Optional[Tensor
     if quantize_grad and (isinstance(x_arg, MXTensor) != isinstance(w_arg, MXTensor)):
         # The op takes both bf16 or both MXFP8 along T / N: quantize the bf16 one as the backend would.
         quant = dict(axis=0, elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact",
-                     backend=backend)
+                     backend=_resolution.request_of(backend))
         if not isinstance(x_arg, MXTensor):
-            x_arg = _dispatch.run("mxfp8_quantize", x_arg, **quant)
+            x_arg = _run("mxfp8_quantize", x_arg, **quant)
         else:
-            w_arg = _dispatch.run("mxfp8_quantize", w_arg, **quant)
-    dx, dw = _dispatch.run("mla_q_uproj_rope_quant_backward", dq.contiguous(), x_arg, w_arg, cos, sin,
+            w_arg = _run("mxfp8_quantize", w_arg, **quant)
+    dx, dw = _run("mla_q_uproj_rope_quant_backward", dq.contiguous(), x_arg, w_arg, cos, sin,
                            quantize_grad=quantize_grad, backend=backend)
     return dx.contiguous(), dw.contiguous()
 
@@ -545,6 +576,12 @@ def _mla_q_backward(ctx, dq, *_unused_integer_grads):
     x, x_codes, x_scales, w, w_codes, w_scales, cos, sin = ctx.saved_tensors
     x_format, w_format = ctx.formats
     quantize_grad, backend = ctx.options
+    x_arg, w_arg = _operand(x, x_codes, x_scales, x_format), _operand(w, w_codes, w_scales, w_format)
+    if quantize_grad and isinstance(x_arg, MXTensor) != isinstance(w_arg, MXTensor):
+        backend = _resolution.request_of(backend)  # the op quantizes one operand first: chosen per call
+    else:
+        backend = _backward_choice(backend, "mla_q_uproj_rope_quant_backward", dq, x_arg, w_arg, cos, sin,
+                                   contiguous=(0,), quantize_grad=quantize_grad)
     dx, dw = _call(_mla_q_backward_op, dq, x, x_codes, x_scales, x_format, w, w_codes, w_scales, w_format, cos, sin,
                                 quantize_grad, backend)
     if ctx.x_dtype is not None:
@@ -573,6 +610,7 @@ def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool =
             if isinstance(operand, MXTensor) and copy is None:
                 raise ValueError(f"{name}: the MXFP8 backward (quantize_grad=True) of an MXFP8 {name} needs {what}")
     x_slots, w_slots = _slots(x), _slots(w)
+    backend = _trace_choice("mla_q_uproj_rope_quant", backend, x, w, cos, sin)
     out = _call(_mla_q_op, *x_slots, *w_slots, cos, sin, *_mx_slots(x_t), *_mx_slots(w_n), bool(quantize_grad), backend)
     proxy, row_codes, row_scales, col_codes, col_scales = out
     return (_tracked(row_codes, row_scales, 2, "e4m3", "compact", proxy),
@@ -587,7 +625,7 @@ def mla_q_uproj_rope_quant(x, w, cos: Tensor, sin: Tensor, quantize_grad: bool =
 def _rmsnorm_op(x: Tensor, gamma: Tensor, eps: float, zero_centered_gamma: bool, elem: str,
                 backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(y proxy fp32 [T, D], y_row codes, y_row scales, y_col codes, y_col scales, rstd fp32 [T])."""
-    y_row, y_col, rstd = _dispatch.run("rmsnorm_mxfp8", x.contiguous(), gamma.contiguous(), eps=eps,
+    y_row, y_col, rstd = _run("rmsnorm_mxfp8", x.contiguous(), gamma.contiguous(), eps=eps,
                                        zero_centered_gamma=zero_centered_gamma, elem=elem, backend=backend)
     return (grad_proxy(x.shape, torch.float32, x.device), y_row.data.view(torch.uint8).contiguous(),
             y_row.scale.contiguous(), y_col.data.view(torch.uint8).contiguous(), y_col.scale.contiguous(),
@@ -646,6 +684,8 @@ def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gam
     through `rmsnorm_backward`. rstd has no gradient."""
     _validate("rmsnorm_mxfp8", x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma, elem=elem,
               backend=backend)
+    backend = _trace_choice("rmsnorm_mxfp8", backend, x, gamma, contiguous=(0, 1), eps=float(eps),
+                            zero_centered_gamma=bool(zero_centered_gamma), elem=elem)
     proxy, row_codes, row_scales, col_codes, col_scales, rstd = _call(_rmsnorm_op,
         x, gamma, float(eps), bool(zero_centered_gamma), elem, backend)
     return (_tracked(row_codes, row_scales, 1, elem, "compact", proxy),
@@ -671,7 +711,7 @@ def _attention_op(q: Optional[Tensor], q_codes: Optional[Tensor], q_scales: Opti
                   causal: bool, softmax_scale: Optional[float], layout: str, cu_seqlens_q: Optional[Tensor],
                   cu_seqlens_kv: Optional[Tensor], backend: Optional[str]) -> Tuple[Tensor, Tensor]:
     """(o bf16 shaped like q with head dim 128, lse fp32)."""
-    o, lse = _dispatch.run(
+    o, lse = _run(
         "mla_attention", _contiguous(_operand(q, q_codes, q_scales, q_format)),
         _contiguous(_operand(k, k_codes, k_scales, k_format)), _contiguous(_operand(v, v_codes, v_scales, v_format)),
         causal=causal, softmax_scale=softmax_scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
@@ -697,7 +737,7 @@ def _attention_backward_op(do: Tensor, q: Optional[Tensor], q_codes: Optional[Te
                            cu_seqlens_q: Optional[Tensor], cu_seqlens_kv: Optional[Tensor],
                            backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) bf16, with respect to the dequantized values of MXFP8 operands."""
-    dq, dk, dv = _dispatch.run(
+    dq, dk, dv = _run(
         "mla_attention_backward", do.contiguous(), _contiguous(_operand(q, q_codes, q_scales, q_format)),
         _contiguous(_operand(k, k_codes, k_scales, k_format)), _contiguous(_operand(v, v_codes, v_scales, v_format)),
         o, lse, causal=causal, softmax_scale=softmax_scale, layout=layout, cu_seqlens_q=cu_seqlens_q,
@@ -734,6 +774,10 @@ def _attention_backward(ctx, do, _lse_grad):
      cu_seqlens_kv) = ctx.saved_tensors
     q_format, k_format, v_format = ctx.formats
     causal, softmax_scale, layout, backend = ctx.options
+    backend = _backward_choice(backend, "mla_attention_backward", do, _operand(q, q_codes, q_scales, q_format),
+                               _operand(k, k_codes, k_scales, k_format), _operand(v, v_codes, v_scales, v_format), o,
+                               lse, contiguous=(0, 1, 2, 3), causal=causal, softmax_scale=softmax_scale,
+                               layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
     grads = _call(_attention_backward_op, do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
                                    v_scales, v_format, o, lse, causal, softmax_scale, layout, cu_seqlens_q,
                                    cu_seqlens_kv, backend)
@@ -753,6 +797,9 @@ def mla_attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] 
     receive gradients through their proxies). o is differentiable, lse is not."""
     _validate("mla_attention", q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
               cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=backend)
+    backend = _trace_choice("mla_attention", backend, q, k, v, contiguous=(0, 1, 2), causal=bool(causal),
+                            softmax_scale=None if softmax_scale is None else float(softmax_scale), layout=layout,
+                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
     return _call(_attention_op, *_slots(q), *_slots(k), *_slots(v), bool(causal),
                          None if softmax_scale is None else float(softmax_scale), layout, cu_seqlens_q,
                          cu_seqlens_kv, backend)
@@ -1023,10 +1070,10 @@ def _kv_backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
         return (None,) * 7
     cos, sin = ctx.saved_tensors
     layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend = ctx.options
-    if cos is not None and dk is not None and _resolution.is_resolved(backend):
+    if cos is not None and dk is not None:
         pe = _resolution.stand_in(ctx.pe_shape, _TORCH_DTYPES[pe_dtype], dk.device)
-        backend = _resolution.resolve("rope_backward", pe, cos, sin, style="mla", layout=layout, out_dtype=pe_dtype,
-                                      backend=backend)
+        backend = _backward_choice(backend, "rope_backward", pe, cos, sin, style="mla", layout=layout,
+                                   out_dtype=pe_dtype)
     dk_nope, dk_pe, dv_in = _call(_kv_backward_op, dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype,
                                   backend)
     if dk is None:

@@ -53,8 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dispatch.autograd as mxag
-from dispatch.q_path import rmsnorm_mla_q
-from dispatch.weights import quantized_weight
+from dispatch.q_path import rmsnorm_mla_q, rmsnorm_mla_q_traced
+from dispatch.weights import WeightCopies, quantized_weight
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
 
@@ -75,6 +75,9 @@ def neox_rows(heads: int, device=None) -> Tensor:
     `dispatch.weights` caches the reordered copy."""
     device = torch.device("cpu" if device is None else device)
     key = (int(heads), str(device))
+    rows = _rows_cache.get(key)  # read without the lock (a dict read is atomic), which dynamo cannot trace
+    if rows is not None:
+        return rows
     with _rows_lock:
         rows = _rows_cache.get(key)
         if rows is None:
@@ -116,7 +119,7 @@ def _token_rows(t: Tensor, name: str, lead: Tuple[int, ...]) -> Tensor:
 
 def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, norm_weight: Optional[Tensor] = None,
                      eps: float = 1e-6, path: str = "mxfp8", rope_style: str = "mla", quantize_grad: bool = True,
-                     backend: Optional[str] = None):
+                     backend: Optional[str] = None, weight_copies: Optional[WeightCopies] = None):
     """The MLA query path from x to roped q (module docstring), functional.
 
     x [..., K] (float32 / bfloat16 / float16; leading dims flattened to T tokens): c_q when norm_weight
@@ -124,7 +127,12 @@ def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, nor
     weight [H * 192, K] (q_b_proj's, any float dtype; the mxfp8 path quantizes it from bf16, the bf16
     path casts it to bf16). cos, sin: per-token rows [..., 64] (see the module docstring).
     Returns q [..., H, 192]: a TrackedMXTensor blocked along the head dim (e4m3, compact scales) on the
-    mxfp8 path, a bfloat16 tensor on the bf16 path. The mxfp8 path needs T and K multiples of 32."""
+    mxfp8 path, a bfloat16 tensor on the bf16 path. The mxfp8 path needs T and K multiples of 32.
+    weight_copies: the weight's persistent MXFP8 copies (`dispatch.weights.WeightCopies`, refreshed
+    once per optimizer step), used on the mxfp8 path for a plain (non-DTensor) weight instead of
+    `quantized_weight`'s cache; under torch.compile the graph then reads them as inputs, and with a
+    norm weight and the MXFP8 backward the query path is one custom op (`rmsnorm_mla_q_traced`).
+    Without them a compiled graph quantizes the weight in every forward."""
     _check_choice("path", path, PATHS)
     _check_choice("rope_style", rope_style, ROPE_STYLES)
     if not isinstance(x, Tensor) or x.dim() < 2:
@@ -154,15 +162,26 @@ def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, nor
         raise ValueError(f"x: the mxfp8 path needs the token count and K to be multiples of 32 (MXFP8 blocks), "
                          f"got {tokens} tokens of K = {x2.shape[1]}")
     rows = neox_rows(heads, weight.device) if rope_style == "neox" else None
-    if norm_weight is not None and quantize_grad is True and mxag.plain_eager((x2, norm_weight, weight, cos_t, sin_t,
-                                                                                rows)):
-        q_row = rmsnorm_mla_q(x2, norm_weight, weight, cos_t, sin_t, eps=eps, rows=rows, backend=backend)
-        return mxag.reshape_mx(q_row, lead + (heads, MLA_QK_HEAD_DIM))
+    copies = weight_copies if weight_copies is not None and mxag.plain_classes((weight,)) else None
+    if norm_weight is not None and quantize_grad is True:
+        tensors = (x2, norm_weight, weight, cos_t, sin_t, rows)
+        if mxag.plain_eager(tensors):
+            entry = None if copies is None else copies.current(weight, rows)
+            q_row = rmsnorm_mla_q(x2, norm_weight, weight, cos_t, sin_t, eps=eps, rows=rows, backend=backend,
+                                  copies=entry)
+            return mxag.reshape_mx(q_row, lead + (heads, MLA_QK_HEAD_DIM))
+        if copies is not None and torch.compiler.is_compiling() and mxag.plain_classes(tensors):
+            q_row = rmsnorm_mla_q_traced(x2, norm_weight, weight, copies.traced(), cos_t, sin_t, eps=eps, rows=rows,
+                                         backend=backend)
+            return mxag.reshape_mx(q_row, lead + (heads, MLA_QK_HEAD_DIM))
     if norm_weight is None:
         x_row, x_col = mxag.mxfp8_quantize(x2, axis=(1, 0), backend=backend)
     else:
         x_row, x_col, _ = mxag.rmsnorm_mxfp8(x2, norm_weight, eps=eps, backend=backend)
-    w_row, w_col = quantized_weight(weight, backend=backend, rows=rows)
+    if copies is not None:
+        w_row, w_col = copies.tracked(weight, rows)
+    else:
+        w_row, w_col = quantized_weight(weight, backend=backend, rows=rows)
     q_row, _ = mxag.mla_q_uproj_rope_quant(x_row, w_row, cos_t, sin_t, quantize_grad=quantize_grad, x_t=x_col,
                                            w_n=w_col, backend=backend)
     return mxag.reshape_mx(q_row, lead + (heads, MLA_QK_HEAD_DIM))
@@ -173,6 +192,10 @@ class MLAQProjection(nn.Module):
 
     Parameters: `weight` [num_heads * 192, in_features] (q_b_proj's), `norm_weight` [in_features]
     (q_a_layernorm's; None when norm=False, then the input is used unnormalized), in `dtype`.
+    Path "mxfp8" keeps the weight's MXFP8 copies in `weight_copies` (`dispatch.weights.WeightCopies`:
+    non-persistent buffers), made at construction, after `load_state_dict`, `.to()` and
+    `refresh_weight_copies()`, after every step of an optimizer given to `refresh_after(optimizer)`,
+    and in eager forwards whenever the weight changed; a compiled forward reads them as they are.
     forward(x [..., in_features], cos, sin [..., 64]) -> q [..., num_heads, 192]: TrackedMXTensor
     (path "mxfp8") or bfloat16 tensor (path "bf16")."""
 
@@ -191,7 +214,37 @@ class MLAQProjection(nn.Module):
             self.norm_weight = nn.Parameter(torch.ones(self.in_features, **factory))
         else:
             self.register_parameter("norm_weight", None)
+        self._make_copies()
         self.reset_parameters()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_weight_copies())
+
+    def _make_copies(self) -> None:
+        self.weight_copies = (WeightCopies(self.weight.shape, backend=self.backend, device=self.weight.device)
+                              if self.path == "mxfp8" else None)
+
+    def _rows(self) -> Optional[Tensor]:
+        return neox_rows(self.num_heads, self.weight.device) if self.rope_style == "neox" else None
+
+    def refresh_weight_copies(self) -> None:
+        """Quantize the weight into `weight_copies` now (path "mxfp8" with a plain, materialized weight)."""
+        w = self.weight
+        if (self.weight_copies is None or w.device.type == "meta" or not mxag.plain_classes((w,))
+                or self.weight_copies.row_codes.device != w.device):
+            return
+        self.weight_copies.refresh(w, self._rows())
+
+    def refresh_after(self, optimizer: torch.optim.Optimizer):
+        """Refresh `weight_copies` after every `optimizer.step()`; returns the hook's handle (None on the
+        bf16 path)."""
+        if self.weight_copies is None:
+            return None
+        return self.weight_copies.refresh_after(optimizer, self.weight, self._rows())
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if getattr(self, "weight_copies", None) is not None:
+            self.refresh_weight_copies()  # .to(dtype) may change the weight's bf16 values
+        return out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, norm: Optional[nn.Module] = None, **kwargs) -> "MLAQProjection":
@@ -208,6 +261,8 @@ class MLAQProjection(nn.Module):
         module.weight = linear.weight
         if norm is not None:
             module.norm_weight = norm.weight
+        module._make_copies()
+        module.refresh_weight_copies()
         return module
 
     def reset_parameters(self) -> None:
@@ -216,10 +271,12 @@ class MLAQProjection(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
         if self.norm_weight is not None:
             nn.init.ones_(self.norm_weight)
+        self.refresh_weight_copies()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor):
         return mla_q_projection(x, self.weight, cos, sin, norm_weight=self.norm_weight, eps=self.eps, path=self.path,
-                                rope_style=self.rope_style, quantize_grad=self.quantize_grad, backend=self.backend)
+                                rope_style=self.rope_style, quantize_grad=self.quantize_grad, backend=self.backend,
+                                weight_copies=self.weight_copies)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, num_heads={self.num_heads}, path={self.path!r}, "

@@ -10,17 +10,21 @@ is, byte for byte and gradient for gradient, the composition
     q_row, _ = mxag.mla_q_uproj_rope_quant(y_row, w_row, cos, sin, quantize_grad=True, x_t=y_col, w_n=w_col)
 
 for plain eager calls (every tensor a plain torch.Tensor or nn.Parameter, not compiling; see
-`dispatch.autograd.plain_eager`). `dispatch.nn.mla_q_projection` takes this path on its mxfp8 path with
-a norm weight and the MXFP8 backward, and the composition everywhere else.
+`dispatch.autograd.plain_eager`). Under torch.compile `rmsnorm_mla_q_traced` is the same node as the
+custom ops `mxmla::rmsnorm_mla_q` / `mxmla::rmsnorm_mla_q_backward` (the same functions inside, so the
+same bytes), reading the weight's persistent copies (`dispatch.weights.WeightCopies`) as graph inputs,
+with the backends resolved at trace time (`dispatch.resolution`). `dispatch.nn.mla_q_projection` takes
+these on its mxfp8 path with a norm weight and the MXFP8 backward (compiled: when it has the weight's
+copies), and the composition everywhere else.
 
 Why one node: on a GPU the MXFP8 block's forward is bound by host time, not by the kernels. Each
 wrapper of the composition pays for its own argument validation, operand-slot conversion (MXTensors
 taken apart into codes and scales and rebuilt), a torch.autograd.Function apply, gradient proxies,
 TrackedMXTensor construction and contiguous / uint8-view round trips of every output; the weight's
 copies add a proxy node of their own. Here the two ops run as two `dispatch.run` calls on the
-MXTensors they return, the weight's copies come from `dispatch.weights.plain_copies` (the same cache,
-so copies made after an optimizer step are reused), and one node's backward computes what the
-composition's chain of three backwards computes, in the same order and dtypes:
+MXTensors they return, the weight's copies come from the caller's `WeightCopies` or from
+`dispatch.weights.plain_copies` (the same cache, so copies made after an optimizer step are reused),
+and one node's backward computes what the composition's chain of three backwards computes, in the same order and dtypes:
 - `mla_q_uproj_rope_quant_backward` (quantize_grad=True) on dq with y blocked along T and w along N;
 - dy = dx cast to float32 (the dtype of RMSNorm's gradient proxy), then `rmsnorm_backward` with the
   forward's rstd: the gradients of x and gamma;
@@ -32,19 +36,23 @@ validated by `dispatch.run` (per call signature, before any backend runs) with t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import dispatch as _dispatch
-from dispatch.autograd import TrackedMXTensor, rmsnorm_backward, shared_grad_proxy
-from dispatch.weights import plain_copies, weight_grad
+import dispatch.resolution as _resolution
+from dispatch.autograd import (NAMESPACE, TrackedMXTensor, _DTYPE_NAMES, _TORCH_DTYPES, _scale_shape, grad_proxy,
+                               rmsnorm_backward, shared_grad_proxy)
+from dispatch.weights import MXFP8Weight, plain_copies, weight_grad
+from spec.constants import MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
 
-__all__ = ["rmsnorm_mla_q"]
+__all__ = ["rmsnorm_mla_q", "rmsnorm_mla_q_traced"]
 
 _E4M3 = torch.float8_e4m3fn
+_run = _resolution.run
 
 
 def _contiguous_mx(t: MXTensor) -> MXTensor:
@@ -54,21 +62,40 @@ def _contiguous_mx(t: MXTensor) -> MXTensor:
     return MXTensor(t.data.contiguous(), t.scale.contiguous(), t.axis, t.elem, t.scale_layout)
 
 
+def _forward(x, gamma, w_row: MXTensor, cos, sin, eps, norm_backend, q_backend):
+    """(q_row, y_col, rstd): RMSNorm to MXFP8, then the fused up-projection on the weight's row copy."""
+    y_row, y_col, rstd = _run("rmsnorm_mxfp8", x.contiguous(), gamma.contiguous(), eps=eps,
+                              zero_centered_gamma=False, elem="e4m3", backend=norm_backend)
+    y_row, y_col = _contiguous_mx(y_row), _contiguous_mx(y_col)
+    q_row, _ = _run("mla_q_uproj_rope_quant", y_row, w_row, cos, sin, backend=q_backend)
+    return q_row, y_col, rstd.contiguous()
+
+
+def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, rows, w_dtype, backend,
+              needs=(True, True, True)):
+    """(dx, dgamma, dw): the fused op's MXFP8 backward, RMSNorm's, and the weight proxy's rule."""
+    dy, dw = _run("mla_q_uproj_rope_quant_backward", dq.contiguous(), y_col, w_col, cos, sin, quantize_grad=True,
+                  backend=backend)
+    dx = dgamma = None
+    if needs[0] or needs[1]:
+        dx, dgamma = rmsnorm_backward(dy.contiguous().to(torch.float32), x, gamma, rstd)
+    dw = weight_grad(dw.contiguous().to(torch.bfloat16), w_dtype, rows) if needs[2] else None
+    return dx, dgamma, dw
+
+
 class _RMSNormMLAQ(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, gamma, w, rows, cos, sin, eps, backend):
-        y_row, y_col, rstd = _dispatch.run("rmsnorm_mxfp8", x.contiguous(), gamma.contiguous(), eps=eps,
-                                           zero_centered_gamma=False, elem="e4m3", backend=backend)
-        y_row, y_col = _contiguous_mx(y_row), _contiguous_mx(y_col)
-        copies = plain_copies(w, backend=backend, rows=rows)
-        q_row, _ = _dispatch.run("mla_q_uproj_rope_quant", y_row, copies.row, cos, sin, backend=backend)
+    def forward(ctx, x, gamma, w, rows, cos, sin, eps, backend, copies):
+        if copies is None:
+            copies = plain_copies(w, backend=backend, rows=rows)
+        q_row, y_col, rstd = _forward(x, gamma, copies.row, cos, sin, eps, backend, backend)
         codes, scales = q_row.data.view(torch.uint8).contiguous(), q_row.scale.contiguous()
         ctx.mark_non_differentiable(codes, scales)
         ctx.set_materialize_grads(False)
         # through save_for_backward (not ctx attributes), so saved-tensor hooks (offloading,
         # checkpointing) see what the composition's nodes save
-        ctx.save_for_backward(x, gamma, rstd.contiguous(), y_col.data, y_col.scale, copies.col.data, copies.col.scale,
+        ctx.save_for_backward(x, gamma, rstd, y_col.data, y_col.scale, copies.col.data, copies.col.scale,
                               cos, sin, rows)
         ctx.w_dtype, ctx.backend = w.dtype, backend
         return shared_grad_proxy(codes.shape, torch.bfloat16, cos.device), codes, scales
@@ -76,29 +103,133 @@ class _RMSNormMLAQ(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, _codes_grad, _scales_grad):
         if dq is None:
-            return (None,) * 8
+            return (None,) * 9
         x, gamma, rstd, y_codes, y_scales, w_codes, w_scales, cos, sin, rows = ctx.saved_tensors
         y_col = MXTensor(y_codes, y_scales, 0, "e4m3", "compact")
         w_col = MXTensor(w_codes, w_scales, 0, "e4m3", "compact")
-        dy, dw = _dispatch.run("mla_q_uproj_rope_quant_backward", dq.contiguous(), y_col, w_col, cos, sin,
-                               quantize_grad=True, backend=ctx.backend)
-        dx = dgamma = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            dx, dgamma = rmsnorm_backward(dy.contiguous().to(torch.float32), x, gamma, rstd)
-        if ctx.needs_input_grad[2]:
-            dw = weight_grad(dw.contiguous().to(torch.bfloat16), ctx.w_dtype, rows)
-        else:
-            dw = None
-        return dx, dgamma, dw, None, None, None, None, None
+        dx, dgamma, dw = _backward(dq, x, gamma, rstd, y_col, w_col, cos, sin, rows, ctx.w_dtype, ctx.backend,
+                                   (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]))
+        return dx, dgamma, dw, None, None, None, None, None, None
 
 
 def rmsnorm_mla_q(x: Tensor, gamma: Tensor, w: Tensor, cos: Tensor, sin: Tensor, *, eps: float = 1e-6,
-                  rows: Optional[Tensor] = None, backend: Optional[str] = None) -> TrackedMXTensor:
+                  rows: Optional[Tensor] = None, backend: Optional[str] = None,
+                  copies: Optional[MXFP8Weight] = None) -> TrackedMXTensor:
     """q_row [T, H, 192] (e4m3, compact scales, blocked along the head dim; bf16 gradient proxy) of
     RMSNorm(x [T, K]; gamma [K], eps) up-projected by w [H * 192, K] (MXFP8 copies of w.to(bfloat16),
     or of w[rows]) with the fused RoPE (cos / sin [T, 64] per-token rows) and quantize: the
     composition's bytes and gradients (module docstring). Plain eager tensors only (the caller picks
-    the composition for the others); `backend` as for every mxmla op."""
+    the composition or `rmsnorm_mla_q_traced` for the others); `backend` as for every mxmla op.
+    `copies`: the weight's copies when the caller keeps them (`WeightCopies.current`), else
+    `dispatch.weights`' cache is used."""
+    _validate_norm(x, gamma, eps, backend)
+    proxy, codes, scales = _RMSNormMLAQ.apply(x, gamma, w, rows, cos, sin, float(eps), backend, copies)
+    return TrackedMXTensor(codes.view(_E4M3), scales, 2, "e4m3", "compact", proxy)
+
+
+def _validate_norm(x, gamma, eps, backend):
     _dispatch.validate("rmsnorm_mxfp8", x, gamma, eps=eps, zero_centered_gamma=False, elem="e4m3", backend=backend)
-    proxy, codes, scales = _RMSNormMLAQ.apply(x, gamma, w, rows, cos, sin, float(eps), backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# The same node as custom ops, for torch.compile
+# --------------------------------------------------------------------------------------------------
+# The weight's copies are inputs (a WeightCopies' buffers: the graph never quantizes the weight); w
+# itself is an input only so that its gradient has a place. Two backends travel in, resolved at trace
+# time: RMSNorm's and the fused forward's; the backward's is resolved when AOTAutograd traces the rule.
+
+def _w_col(codes_t: Tensor, scales_t: Tensor) -> MXTensor:
+    return MXTensor(codes_t.view(_E4M3).t(), scales_t.t(), 0, "e4m3", "compact")
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rmsnorm_mla_q", mutates_args=())
+def _rmsnorm_mla_q_op(x: Tensor, gamma: Tensor, w: Tensor, w_row_codes: Tensor, w_row_scales: Tensor,
+                      w_col_codes_t: Tensor, w_col_scales_t: Tensor, cos: Tensor, sin: Tensor,
+                      rows: Optional[Tensor], eps: float, norm_backend: Optional[str],
+                      q_backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q proxy bf16 [T, H, 192], q codes uint8, q scales, rstd fp32 [T], y_col codes uint8 [T, K],
+    y_col scales [T/32, K]); the last three are saved for the backward."""
+    w_row = MXTensor(w_row_codes.view(_E4M3), w_row_scales, 1, "e4m3", "compact")
+    q_row, y_col, rstd = _forward(x, gamma, w_row, cos, sin, eps, norm_backend, q_backend)
+    codes = q_row.data.view(torch.uint8).contiguous()
+    return (grad_proxy(codes.shape, torch.bfloat16, cos.device), codes, q_row.scale.contiguous(), rstd,
+            y_col.data.view(torch.uint8), y_col.scale)
+
+
+@_rmsnorm_mla_q_op.register_fake
+def _(x, gamma, w, w_row_codes, w_row_scales, w_col_codes_t, w_col_scales_t, cos, sin, rows, eps, norm_backend,
+      q_backend):
+    tokens, k = x.shape
+    shape = (tokens, w.shape[0] // MLA_QK_HEAD_DIM, MLA_QK_HEAD_DIM)
+    return (grad_proxy(shape, torch.bfloat16, cos.device), x.new_empty(shape, dtype=torch.uint8),
+            x.new_empty(_scale_shape(shape, 2, "compact"), dtype=torch.uint8),
+            x.new_empty((tokens,), dtype=torch.float32), x.new_empty((tokens, k), dtype=torch.uint8),
+            x.new_empty(_scale_shape((tokens, k), 0, "compact"), dtype=torch.uint8))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::rmsnorm_mla_q_backward", mutates_args=())
+def _rmsnorm_mla_q_backward_op(dq: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, y_col_codes: Tensor,
+                               y_col_scales: Tensor, w_col_codes_t: Tensor, w_col_scales_t: Tensor, cos: Tensor,
+                               sin: Tensor, rows: Optional[Tensor], w_dtype: str,
+                               backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dgamma, dw) in the dtypes of x, gamma and w."""
+    y_col = MXTensor(y_col_codes.view(_E4M3), y_col_scales, 0, "e4m3", "compact")
+    dx, dgamma, dw = _backward(dq, x, gamma, rstd, y_col, _w_col(w_col_codes_t, w_col_scales_t), cos, sin, rows,
+                               _TORCH_DTYPES[w_dtype], backend)
+    return dx.contiguous(), dgamma.contiguous(), dw.contiguous()
+
+
+@_rmsnorm_mla_q_backward_op.register_fake
+def _(dq, x, gamma, rstd, y_col_codes, y_col_scales, w_col_codes_t, w_col_scales_t, cos, sin, rows, w_dtype,
+      backend):
+    k, n = w_col_codes_t.shape
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape), x.new_empty((n, k), dtype=_TORCH_DTYPES[w_dtype])
+
+
+def _setup(ctx, inputs, output):
+    (x, gamma, w, _row_codes, _row_scales, w_col_codes_t, w_col_scales_t, cos, sin, rows, _eps, norm_backend,
+     q_backend) = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, gamma, output[3], output[4], output[5], w_col_codes_t, w_col_scales_t, cos, sin, rows)
+    ctx.w_dtype, ctx.backend = _DTYPE_NAMES[w.dtype], q_backend
+
+
+def _backward_rule(ctx, dq, *_unused):
+    if dq is None:
+        return (None,) * 13
+    x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos, sin, rows = ctx.saved_tensors
+    backend = ctx.backend
+    if _resolution.is_resolved(backend):
+        y_col = MXTensor(_resolution.stand_in(y_codes.shape, _E4M3, y_codes.device), y_scales, 0, "e4m3", "compact")
+        k, n = w_codes_t.shape
+        w_col = MXTensor(_resolution._StandIn((n, k), (1, n), _E4M3, w_codes_t.device), w_scales_t.t(), 0, "e4m3",
+                         "compact")
+        backend = _resolution.resolve("mla_q_uproj_rope_quant_backward", dq, y_col, w_col, cos, sin, contiguous=(0,),
+                                      quantize_grad=True, backend=backend)
+    dx, dgamma, dw = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,
+                                                sin, rows, ctx.w_dtype, backend)
+    return dx, dgamma, dw, None, None, None, None, None, None, None, None, None, None
+
+
+_rmsnorm_mla_q_op.register_autograd(_backward_rule, setup_context=_setup)
+
+
+def rmsnorm_mla_q_traced(x: Tensor, gamma: Tensor, w: Tensor, copies: MXFP8Weight, cos: Tensor, sin: Tensor, *,
+                         eps: float = 1e-6, rows: Optional[Tensor] = None,
+                         backend: Optional[str] = None) -> TrackedMXTensor:
+    """`rmsnorm_mla_q` for torch.compile: one custom op (forward and backward) reading the weight's
+    persistent copies (`WeightCopies.traced()`: `copies.row` and the transposed storage of
+    `copies.col`), backends resolved now (dispatch.resolution). The same bytes and gradients."""
+    tokens, k = x.shape
+    norm_backend = _resolution.resolve("rmsnorm_mxfp8", x, gamma, contiguous=(0, 1), eps=float(eps),
+                                       zero_centered_gamma=False, elem="e4m3", backend=backend)
+    y_row = _resolution.mx_description((tokens, k), 1, x.device)
+    q_backend = _resolution.resolve_parts("mla_q_uproj_rope_quant", backend,
+                                          (y_row, _resolution.describe(copies.row), _resolution.describe(cos),
+                                           _resolution.describe(sin)))
+    w_col = copies.col
+    proxy, codes, scales, _rstd, _y_codes, _y_scales = _rmsnorm_mla_q_op(
+        x, gamma, w, copies.row.data.view(torch.uint8), copies.row.scale, w_col.data.t().view(torch.uint8),
+        w_col.scale.t(), cos, sin, rows, float(eps), norm_backend, q_backend)
     return TrackedMXTensor(codes.view(_E4M3), scales, 2, "e4m3", "compact", proxy)

@@ -39,7 +39,7 @@ import dispatch as _dispatch
 import backends as _backends
 from spec.mxtensor import MXTensor
 
-__all__ = ["RESOLVED", "resolve", "resolve_described", "describe", "stand_in", "contiguous_like", "is_resolved", "request_of", "run"]
+__all__ = ["RESOLVED", "resolve", "resolve_described", "describe", "mx_description", "resolve_parts", "stand_in", "contiguous_like", "is_resolved", "request_of", "run"]
 
 RESOLVED = "="  # leading mark of a backend string that names a resolved choice: "=choice;request"
 
@@ -73,11 +73,22 @@ class _StandIn(torch.Tensor):
         raise RuntimeError(f"a stand-in for backend selection holds no data ({func})")
 
 
-def describe(v: Any) -> Any:
-    """A hashable description of an argument: tensors by (shape, strides, dtype, device), MXTensors by
-    their parts, sequences element-wise, anything else as it is."""
+def _contiguous_strides(shape) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(stride))
+
+
+def describe(v: Any, contiguous: bool = False) -> Any:
+    """A hashable description of an argument: tensors by (shape, strides, dtype, device) -- with
+    contiguous strides when `contiguous` (what `.contiguous()` would hand the op) --, MXTensors by
+    their parts, sequences element-wise, anything else as it is. Plain Python on metadata: dynamo
+    traces it without a graph break."""
     if isinstance(v, torch.Tensor):
-        return ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+        shape = tuple(v.shape)
+        return ("tensor", shape, _contiguous_strides(shape) if contiguous else tuple(v.stride()), v.dtype, v.device)
     if isinstance(v, MXTensor):
         return ("mx", describe(v.data), describe(v.scale), v.axis, v.elem, v.scale_layout)
     if isinstance(v, (tuple, list)):
@@ -85,15 +96,23 @@ def describe(v: Any) -> Any:
     return ("value", v)
 
 
+def mx_description(shape, axis: int, device, elem: str = "e4m3") -> Tuple:
+    """The description (`describe`) of a contiguous compact MXTensor of `shape` blocked along `axis`
+    that an op will make inside itself (e.g. RMSNorm's output handed to the fused projection)."""
+    shape = tuple(int(n) for n in shape)
+    scale = list(shape)
+    scale[axis] //= 32
+    codes = ("tensor", shape, _contiguous_strides(shape), torch.float8_e4m3fn if elem == "e4m3" else torch.float8_e5m2,
+             device)
+    return ("mx", codes, ("tensor", tuple(scale), _contiguous_strides(scale), torch.uint8, device), axis, elem,
+            "compact")
+
+
 def stand_in(shape, dtype: torch.dtype, device) -> _StandIn:
     """A stand-in of a contiguous tensor of `shape`, `dtype`, `device` (metadata only): for an autograd
     rule that resolves its backward op on what that op's custom op will pass on."""
     shape = tuple(int(n) for n in shape)
-    stride, step = [], 1
-    for n in reversed(shape):
-        stride.append(step)
-        step *= max(n, 1)
-    return _StandIn(shape, tuple(reversed(stride)), dtype, torch.device(device))
+    return _StandIn(shape, _contiguous_strides(shape), dtype, torch.device(device))
 
 
 def contiguous_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> _StandIn:
@@ -129,12 +148,18 @@ def resolve_described(op: str, backend: Optional[str], args: Tuple, kwargs: Tupl
     return _choose(op, backend, args, kwargs, _dispatch._env_raw() if backend is None else None)
 
 
-def resolve(op: str, *args, backend: Optional[str] = None, **kwargs) -> str:
+def resolve(op: str, *args, backend: Optional[str] = None, contiguous: Tuple[int, ...] = (), **kwargs) -> str:
     """The choice `dispatch.run(op, *args, backend=backend, **kwargs)` would make, resolved: "=" +
     `dispatch.select`'s answer + ";" + the request. A resolved `backend` (another op's) stands for its
-    request. Raises what dispatch.run would (spec's validators on the shapes, BackendUnavailable)."""
-    return resolve_described(op, request_of(backend), tuple(describe(a) for a in args),
+    request. `contiguous`: positions of tensor arguments the op hands on as `.contiguous()`. Raises what
+    dispatch.run would (spec's validators on the shapes, BackendUnavailable)."""
+    return resolve_described(op, request_of(backend), tuple(describe(a, i in contiguous) for i, a in enumerate(args)),
                              tuple((k, describe(v)) for k, v in kwargs.items()))
+
+
+def resolve_parts(op: str, backend: Optional[str], args: Tuple, **kwargs) -> str:
+    """`resolve` on positional arguments given as descriptions (`describe`, `mx_description`)."""
+    return resolve_described(op, request_of(backend), tuple(args), tuple((k, describe(v)) for k, v in kwargs.items()))
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,6 +17,9 @@ contiguous [K, N/32] tensor, and w_col holds their `.t()` views. The MXFP8 backw
 blocked along N with N as its contraction axis, i.e. the [K, N] view, which is then K-major without a
 copy. The values are those of the untransposed copy, byte for byte.
 
+Modules that own their weight keep persistent copies instead (`WeightCopies`: buffers refreshed in
+place once per optimizer step, read by compiled graphs as inputs; see its docstring).
+
 When a cached copy is stale (any of these differs from when it was made):
 - `w._version` (autograd's version counter: every in-place op on w or a view of it, including
   torch.optim's for-each and single-tensor optimizers and `load_state_dict`);
@@ -42,8 +45,9 @@ Fresh tensors are allocated on every re-quantization (never written in place), s
 autograd graph still in flight stays valid after the weight changes.
 
 torch.compile: inside a compiled region the cache (Python state keyed by `_version`) is not traced;
-the weight is quantized in the graph on every call through `mxag.mxfp8_quantize` (same values; w_col
-then has the untransposed layout). A DTensor weight (tensor parallelism) is quantized the same way on
+`quantized_weight` quantizes the weight in the graph on every call through `mxag.mxfp8_quantize` (same
+values; w_col then has the untransposed layout). A module that owns a `WeightCopies` hands the graph
+its buffers instead (dispatch.nn.MLAQProjection, examples/mla_block.py). A DTensor weight (tensor parallelism) is quantized the same way on
 every call, through the custom op's DTensor rule (dispatch.parallel.tensor). Under `torch.no_grad()` the cache works as in training and the
 returned tensors carry a proxy that records no graph.
 """
@@ -65,7 +69,7 @@ from dispatch.policy import parse_backend_list
 from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize, shared_grad_proxy
 from spec.mxtensor import MXTensor
 
-__all__ = ["MXFP8Weight", "quantized_weight", "plain_copies", "weight_grad", "requantize", "quantize_after_step",
+__all__ = ["MXFP8Weight", "WeightCopies", "quantized_weight", "plain_copies", "weight_grad", "requantize", "quantize_after_step",
            "invalidate", "cached_copy", "optimizer_generation"]
 
 _QUANT = dict(axis=(1, 0), elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
@@ -278,6 +282,124 @@ def requantize(w: Tensor, *, backend: Optional[str] = None, rows: Optional[Tenso
     with _lock:
         _cache[w] = entry
     return entry
+
+
+class WeightCopies(torch.nn.Module):
+    """Persistent MXFP8 copies of one weight [N, K], owned by the module that uses the weight, refreshed
+    in place: the copies a compiled graph reads (as module buffers, so their addresses hold across
+    steps and CUDA graphs replay on fresh values), and an eager forward reuses.
+
+        copies = WeightCopies((N, K), device=w.device)      # a submodule of the layer owning w
+        copies.refresh(w)                                   # quantize now, into the buffers
+        copies.refresh_after(optimizer, w)                  # ... and after every optimizer.step()
+        entry = copies.current(w)                           # MXFP8Weight over the buffers (eager: checked)
+
+    Buffers (non-persistent: not in the state dict): `row_codes` [N, K] and `row_scales` [N, K/32] (w
+    blocked along K), `col_codes_t` [K, N] and `col_scales_t` [K, N/32] (w blocked along N, stored
+    transposed as `quantized_weight`'s columnwise copy), codes as uint8. The bytes are those of
+    `quantized_weight(w, rows=rows)`: one `mxfp8_quantize` call per refresh, copied into the buffers.
+
+    When the copies are refreshed:
+    - `refresh(w)`: now. The owning module calls it at construction and after `load_state_dict`.
+    - after every step of an optimizer passed to `refresh_after` (a step post-hook: the copies of
+      the weight the step wrote, before the next forward), i.e. once per optimizer step however
+      many forwards it has (gradient accumulation, recomputation);
+    - eager forward (`current`): also whenever the weight changed since the last refresh, by the
+      same rules as `quantized_weight`'s cache (version counter, storage, dtype / shape / device, the
+      backend, the rows, any torch.optim step, `invalidate()`): a weight edited outside a step (a
+      manual in-place edit, `load_state_dict` into a parent) is refreshed before it is used. The
+      optimizer-step clock is part of the rule, so an FSDP2-style all-gathered weight, whose storage
+      and version counter repeat every step, is still refreshed once per step.
+    - under torch.compile (`traced`): never inside the graph; the graph reads the buffers as they
+      are. They are fresh when every weight update goes through an optimizer registered with
+      `refresh_after` or through the owning module's `load_state_dict`; after any other write to the
+      weight call `refresh(w)` before the next compiled forward. Copies never made raise at trace time.
+    A refresh writes the buffers in place: a backward still to run over a forward that saved them
+    raises autograd's in-place error in eager mode (the optimizer steps after the backward, so a
+    training loop never meets it); a compiled graph's saved copies are not checked, so refresh only
+    between a backward and the next forward there, as the post-step hook does.
+    """
+
+    def __init__(self, shape, *, backend: Optional[str] = None, device=None):
+        super().__init__()
+        n, k = (int(d) for d in shape)
+        if n % 32 or k % 32:
+            raise ValueError(f"shape: both dims must be multiples of 32 (MXFP8 blocks along N and K), got {tuple(shape)}")
+        if backend is not None:
+            parse_backend_list(backend, "backend")
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("row_codes", torch.empty(n, k, **u8), persistent=False)
+        self.register_buffer("row_scales", torch.empty(n, k // 32, **u8), persistent=False)
+        self.register_buffer("col_codes_t", torch.empty(k, n, **u8), persistent=False)
+        self.register_buffer("col_scales_t", torch.empty(k, n // 32, **u8), persistent=False)
+        self.backend = backend
+        self.made = False      # refreshed at least once (buffers hold copies, not garbage)
+        self.refreshes = 0     # how many refreshes ran (tests count them)
+        self._key = None       # the staleness key of the last refresh
+
+    def refresh(self, w: Tensor, rows: Optional[Tensor] = None) -> None:
+        """Quantize w (w[rows]) now into the buffers, in place."""
+        _check_weight(w)
+        if _is_dtensor(w) or torch.compiler.is_compiling():
+            raise TypeError("w: WeightCopies.refresh quantizes a plain weight outside torch.compile")
+        if tuple(w.shape) != tuple(self.row_codes.shape):
+            raise ValueError(f"w: expected shape {tuple(self.row_codes.shape)} (the copies'), got {tuple(w.shape)}")
+        if w.device != self.row_codes.device:
+            raise ValueError(f"w: expected device {self.row_codes.device} (the copies'), got {w.device}")
+        entry = MXFP8Weight.quantize(w, self.backend, rows)
+        with torch.no_grad():
+            self.row_codes.copy_(entry.row.data.view(torch.uint8))
+            self.row_scales.copy_(entry.row.scale)
+            self.col_codes_t.copy_(entry.col.data.view(torch.uint8).t())
+            self.col_scales_t.copy_(entry.col.scale.t())
+        self._key, self.made = entry.key, True
+        self.refreshes += 1
+
+    def refresh_after(self, optimizer: torch.optim.Optimizer, w: Tensor, rows: Optional[Tensor] = None):
+        """Refresh from w after every `optimizer.step()` (a step post-hook); returns its handle."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        _check_weight(w)
+        ref = weakref.ref(self)
+
+        def hook(_optimizer, _args, _kwargs):
+            copies = ref()
+            if copies is not None:
+                copies.refresh(w, rows)
+
+        return optimizer.register_step_post_hook(hook)
+
+    def invalidate(self) -> None:
+        """Mark the copies stale: the next eager `current` refreshes them (writes outside any rule)."""
+        self._key = None
+
+    def _entry(self, key) -> MXFP8Weight:
+        row = MXTensor(self.row_codes.view(torch.float8_e4m3fn), self.row_scales, 1, "e4m3", "compact")
+        col = MXTensor(self.col_codes_t.view(torch.float8_e4m3fn).t(), self.col_scales_t.t(), 0, "e4m3", "compact")
+        return MXFP8Weight(key, row, col)
+
+    def current(self, w: Tensor, rows: Optional[Tensor] = None) -> MXFP8Weight:
+        """The copies of w (w[rows]) over the buffers, refreshed first when w changed (eager rules)."""
+        if self._key is None or self._key != _key(w, self.backend, rows):
+            self.refresh(w, rows)
+        return self._entry(self._key)
+
+    def traced(self) -> MXFP8Weight:
+        """The copies over the buffers as they are, for a graph torch.compile traces (no check there)."""
+        if not self.made:
+            raise RuntimeError("WeightCopies: the copies were never made; call refresh(w) before compiling")
+        return self._entry(None)  # the key is not read: a guard on it would recompile after every refresh
+
+    def tracked(self, w: Tensor, rows: Optional[Tensor] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor]:
+        """(w_row, w_col) as `quantized_weight` returns them, over these copies."""
+        _check_weight(w)
+        entry = self.traced() if torch.compiler.is_compiling() else self.current(w, rows)
+        plain = not torch.compiler.is_compiling() and type(w) in (Tensor, torch.nn.Parameter)
+        return entry.tracked(_EagerWeightProxy.apply(w, rows) if plain else _weight_proxy_op(w, rows))
+
+    def extra_repr(self) -> str:
+        n, k = self.row_codes.shape
+        return f"shape=({n}, {k}), backend={self.backend!r}, made={self.made}"
 
 
 _handles = itertools.count()

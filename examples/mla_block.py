@@ -16,9 +16,9 @@ The block (DeepSeek-V3 MLA, no residual, no KV cache):
 
 Paths (--path):
 - mxfp8: q is `dispatch.nn.mla_q_projection`: RMSNorm(c_q) is `rmsnorm_mxfp8` (MXFP8 rowwise +
-  columnwise), W_UQ is quantized from its bf16 copy rowwise and columnwise (straight-through) once per
-  optimizer step, inside it (dispatch.weights.quantize_after_step; the first forward quantizes on
-  demand), the Q up-projection is the fused `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks
+  columnwise), W_UQ's MXFP8 copies (rowwise and columnwise, straight-through gradient) are the block's
+  persistent `dispatch.weights.WeightCopies`, refreshed in place after every optimizer step (and when
+  made), the Q up-projection is the fused `mla_q_uproj_rope_quant` (MXFP8 q; --quantize-grad picks
   its MXFP8 backward, on by default; with it the three are one autograd node), k is
   MXFP8 along D and v along S (`mla_kv_mxfp8`: one `mla_kv_quantize` writing k from k_nope and the
   shared k_pe broadcast over the heads, the bytes of quantizing the bf16 k), and `mla_attention`
@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import dispatch  # noqa: E402
 import dispatch.autograd as mxag  # noqa: E402
 from dispatch.nn import mla_q_projection  # noqa: E402
-from dispatch.weights import quantize_after_step, requantize  # noqa: E402
+from dispatch.weights import WeightCopies  # noqa: E402
 
 NOPE_DIM, ROPE_DIM, V_DIM = 128, 64, 128
 QK_DIM = NOPE_DIM + ROPE_DIM
@@ -147,6 +147,8 @@ class MLABlock(torch.nn.Module):
         self.kv_norm = p(torch.ones(cfg.kv_lora))
         self.w_ukv = p(torch.empty(cfg.heads * (NOPE_DIM + V_DIM), cfg.kv_lora))
         self.w_o = p(torch.empty(cfg.hidden, cfg.heads * V_DIM))
+        # W_UQ's MXFP8 copies: buffers a compiled forward reads as they are (refreshed outside it)
+        self.uq_copies = WeightCopies(self.w_uq.shape, backend=backend) if path == "mxfp8" else None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> "MLABlock":
@@ -159,13 +161,25 @@ class MLABlock(torch.nn.Module):
                 continue
             std = (0.5 if name == "w_o" else 1.0) / math.sqrt(param.shape[1])
             param.copy_(torch.randn(param.shape, generator=gen) * std)
+        self.requantize_weights()
         return self
 
     def requantize_weights(self) -> None:
         """Make the mxfp8 path's weight copies now (after a weight update), so the next forward reuses
-        them; training loops register it with quantize_after_step instead (see train)."""
-        if self.path == "mxfp8":
-            requantize(self.w_uq, backend=self.backend)
+        them; training loops register `refresh_after` instead (see train)."""
+        if self.uq_copies is not None:
+            self.uq_copies.refresh(self.w_uq)
+
+    def refresh_after(self, optimizer) -> None:
+        """Refresh the mxfp8 path's weight copies after every step of `optimizer`."""
+        if self.uq_copies is not None:
+            self.uq_copies.refresh_after(optimizer, self.w_uq)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.uq_copies is not None and self.w_uq.device == self.uq_copies.row_codes.device:
+            self.requantize_weights()  # .to(): the copies follow the weight (its bf16 values may change)
+        return out
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg, bf16 = self.cfg, torch.bfloat16
@@ -200,7 +214,8 @@ class MLABlock(torch.nn.Module):
             # + RoPE + quantize: one autograd node for plain tensors (host time). cos / sin [S, 64] are
             # the per-token rows of one sequence, broadcast over the batch
             q = mla_q_projection(c_q.view(b, s, cfg.q_lora), self.w_uq, cos, sin, norm_weight=self.q_norm,
-                                 eps=cfg.eps, quantize_grad=self.quantize_grad, backend=self.backend)
+                                 eps=cfg.eps, quantize_grad=self.quantize_grad, backend=self.backend,
+                                 weight_copies=self.uq_copies)
             # k = [k_nope | rope(k_pe)] along D and v along S, from k_nope and v (slices of kv_up, read
             # in place) and the one shared k_pe, rotated in the same op: byte-equal to rope, then
             # quantizing the bf16 concatenation, which is never written
@@ -269,8 +284,7 @@ def train(cfg: Config, path: str, steps: int, device="cpu", seed: int = 0, quant
     cos, sin = rope_tables(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, cfg.warmup)))
-    if path == "mxfp8":  # the projection weight's MXFP8 copies made in each optimizer step, not in the forward
-        quantize_after_step(opt, [model.w_uq], backend=backend)
+    model.refresh_after(opt)  # mxfp8: the projection weight's MXFP8 copies made in each optimizer step
     losses: List[float] = []
     floors: List[float] = []
     times: List[float] = []

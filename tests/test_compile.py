@@ -49,7 +49,7 @@ class DispatchCounter:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8)
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
 def _kv_inputs(layout, shared, seed=3):
@@ -145,3 +145,260 @@ def test_resolution_raises_the_validators_words_at_trace_time():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="k_pe"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(kv, bad_pe)
+
+
+# --------------------------------------------------------------------------------------------------
+# MLAQProjection, MLAAttention and the example block, compiled whole
+# --------------------------------------------------------------------------------------------------
+
+def _graphs_backend(graphs):
+    """An aot_eager-like backend that keeps the forward and backward graphs' text."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def backend(gm, example_inputs):
+        def keep(g, _):
+            graphs.append(str(g.graph))
+            return make_boxed_func(g.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    return backend
+
+
+def _q_inputs(seed=5, k=64):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 32, k, generator=gen).requires_grad_(True)
+    angles = torch.rand(32, 64, generator=gen, dtype=torch.float64) * 6
+    g = torch.randn(2, 32, 2, 192, generator=gen).bfloat16()
+    return x, angles.cos().float(), angles.sin().float(), g
+
+
+@pytest.mark.parametrize("rope_style", ["mla", "neox"])
+def test_q_projection_compiled_one_op_reads_the_copies(rope_style, monkeypatch):
+    """MLAQProjection compiled (fullgraph): RMSNorm + the fused up-projection as one custom op, the
+    weight's persistent copies as graph inputs (no quantize in the graph), bytes and gradients equal
+    to eager, no dispatch.run in a compiled call."""
+    from dispatch.nn import MLAQProjection
+
+    torch.manual_seed(0)
+    m = MLAQProjection(64, 2, rope_style=rope_style)
+    with torch.no_grad():
+        m.norm_weight.uniform_(0.5, 1.5)
+    x, cos, sin, g = _q_inputs()
+
+    def run(f):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        q = f(x, cos, sin)
+        q.grad_proxy.backward(g)
+        return [_bits(q.data), _bits(q.scale), _bits(x.grad), _bits(m.weight.grad), _bits(m.norm_weight.grad)]
+
+    want = run(m)
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend=_graphs_backend(graphs))
+    first = run(compiled)
+    with DispatchCounter(monkeypatch) as counter:
+        second = run(compiled)
+    assert counter.calls == []
+    for name, a, b, c in zip(("q codes", "q scales", "dx", "dw", "dgamma"), want, first, second):
+        assert_bytes_equal(b, a, name)
+        assert_bytes_equal(c, a, name)
+    forward, backward = graphs
+    assert "mxmla.rmsnorm_mla_q.default" in forward and "mxfp8_quantize" not in forward
+    assert "mxmla.rmsnorm_mla_q_backward.default" in backward
+
+
+def test_attention_module_compiled_no_dispatch(monkeypatch):
+    from dispatch.nn import MLAAttention
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 64, 2, 192, generator=gen).bfloat16().requires_grad_(True)
+    k = torch.randn(1, 64, 2, 192, generator=gen).bfloat16().requires_grad_(True)
+    v = torch.randn(1, 64, 2, 128, generator=gen).bfloat16().requires_grad_(True)
+    do = torch.randn(1, 64, 2, 128, generator=gen).bfloat16()
+    attn = MLAAttention(causal=True)
+
+    def run(f):
+        for t in (q, k, v):
+            t.grad = None
+        o, _ = f(q, k, v)
+        o.backward(do)
+        return [_bits(o), _bits(q.grad), _bits(k.grad), _bits(v.grad)]
+
+    want = run(attn)
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    run(compiled)
+    with DispatchCounter(monkeypatch) as counter:
+        got = run(compiled)
+    assert counter.calls == []
+    for name, a, b in zip(("o", "dq", "dk", "dv"), want, got):
+        assert_bytes_equal(b, a, name)
+
+
+def _block(path, seed=0):
+    import examples.mla_block as mb
+
+    cfg = mb.replace(mb.CONFIGS["small"], batch=1, seq=64)
+    return mb, cfg, mb.MLABlock(cfg, path).reset_parameters(seed)
+
+
+def _train(mb, cfg, model, forward, steps, accumulate=1, after_step=None):
+    """steps optimizer steps of `accumulate` forward + backward each; returns per-step losses (bytes),
+    the final parameters and what after_step returned after each step."""
+    task = mb.CopyTask(cfg, 0, "cpu")
+    cos, sin = mb.rope_tables(cfg, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.refresh_after(opt)
+    losses, seen = [], []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for micro in range(accumulate):
+            h, target = task.batch(step * accumulate + micro)
+            loss = mb.normalized_mse(forward(h, cos, sin), target)
+            loss.backward()
+            losses.append(_bits(loss))
+        opt.step()
+        if after_step is not None:
+            seen.append(after_step())
+    return losses, [_bits(p) for p in model.parameters()], seen
+
+
+@pytest.mark.parametrize("path", ["mxfp8", "bf16"])
+def test_block_compiled_trains_like_eager(path, monkeypatch):
+    """The example block compiled with fullgraph=True (aot_eager): three optimizer steps with the
+    weight update give the eager run's losses and parameters byte for byte, without a recompile, and
+    a compiled step (forward + backward) runs no dispatch.run."""
+    mb, cfg, eager_model = _block(path)
+    want_losses, want_params, _ = _train(mb, cfg, eager_model, eager_model, 3)
+    _, _, model = _block(path)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got_losses, got_params, _ = _train(mb, cfg, model, compiled, 3)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for i, (a, b) in enumerate(zip(want_losses, got_losses)):
+        assert_bytes_equal(b, a, f"loss {i}")
+    for i, (a, b) in enumerate(zip(want_params, got_params)):
+        assert_bytes_equal(b, a, f"parameter {i}")
+    task = mb.CopyTask(cfg, 0, "cpu")
+    cos, sin = mb.rope_tables(cfg, "cpu")
+    h, target = task.batch(0)
+    with DispatchCounter(monkeypatch) as counter:
+        mb.normalized_mse(compiled(h, cos, sin), target).backward()
+    assert counter.calls == [], counter.calls
+
+
+def test_block_weight_copies_refreshed_in_place_once_per_step():
+    """Compiled mxfp8 block with gradient accumulation (2 forwards a step): one refresh per optimizer
+    step, into the same buffers, and after every step the copies equal a fresh quantization of the
+    updated weight (the compiled graph never quantizes it)."""
+    from dispatch.weights import MXFP8Weight
+
+    mb, cfg, model = _block("mxfp8")
+    copies = model.uq_copies
+    buffers = [b.data_ptr() for b in copies.buffers()]
+    start = copies.refreshes
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+
+    def check():
+        fresh = MXFP8Weight.quantize(model.w_uq)
+        entry = copies.traced()
+        for got, want, name in ((entry.row.data, fresh.row.data, "row codes"), (entry.row.scale, fresh.row.scale,
+                                "row scales"), (entry.col.data, fresh.col.data, "col codes"),
+                                (entry.col.scale, fresh.col.scale, "col scales")):
+            assert_bytes_equal(_bits(got), _bits(want), name)
+        return copies.refreshes
+
+    _, _, seen = _train(mb, cfg, model, compiled, 3, accumulate=2, after_step=check)
+    assert seen == [start + 1, start + 2, start + 3]
+    assert [b.data_ptr() for b in copies.buffers()] == buffers
+
+
+def test_copies_never_made_raise_at_trace_time():
+    from dispatch.weights import WeightCopies
+
+    copies = WeightCopies((64, 64))
+
+    def f(x):
+        return copies.traced().row.data.view(torch.uint8).float().sum() + x
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="never made"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(torch.zeros(()))
+
+
+def test_opcheck_rmsnorm_mla_q():
+    """torch.library.opcheck of the query path's custom ops (schema, fake tensors, autograd, AOT)."""
+    from dispatch.q_path import _rmsnorm_mla_q_backward_op, _rmsnorm_mla_q_op
+    from dispatch.weights import MXFP8Weight
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 64, generator=gen).requires_grad_(True)
+    gamma = (torch.rand(64, generator=gen) + 0.5).requires_grad_(True)
+    w = (torch.randn(192, 64, generator=gen) * 0.1).requires_grad_(True)
+    entry = MXFP8Weight.quantize(w)
+    col_t = (entry.col.data.view(torch.uint8).t().contiguous(), entry.col.scale.t().contiguous())
+    angles = torch.rand(32, 64, generator=gen, dtype=torch.float64) * 6
+    cos, sin = angles.cos().float(), angles.sin().float()
+    args = (x, gamma, w, entry.row.data.view(torch.uint8), entry.row.scale, *col_t, cos, sin, None, 1e-6, None, None)
+    torch.library.opcheck(_rmsnorm_mla_q_op, args)
+    _, _, _, rstd, y_codes, y_scales = _rmsnorm_mla_q_op(*args)
+    dq = torch.randn(32, 1, 192, generator=gen).bfloat16()
+    torch.library.opcheck(_rmsnorm_mla_q_backward_op, (dq, x.detach(), gamma.detach(), rstd, y_codes, y_scales, *col_t,
+                                                       cos, sin, None, "float32", None))
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA graphs (GPU only)
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["mxfp8", "bf16"])
+def test_block_cuda_graphs_bytes_equal_cuda(path, monkeypatch):
+    """CUDA graphs on the example block, four optimizer steps each (forward, backward, AdamW, the weight
+    copies refreshed in place after each step): the "cudagraphs" backend (AOTAutograd's graphs, eager
+    kernels, captured) gives eager's losses and parameters byte for byte, and mode="reduce-overhead"
+    (Inductor, captured) gives Inductor's without CUDA graphs byte for byte (Inductor's fused torch ops
+    round differently from eager's, so those two are compared with each other). Capture fails on any
+    host read of a device value on the captured path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import examples.mla_block as mb
+
+    cfg = mb.replace(mb.CONFIGS["small"], batch=1, seq=128, heads=4)
+
+    def train(**compile_args):
+        torch._dynamo.reset()
+        model = mb.MLABlock(cfg, path).reset_parameters(0).to("cuda")
+        forward = torch.compile(model, fullgraph=True, **compile_args) if compile_args else model
+        task = mb.CopyTask(cfg, 0, "cuda")
+        cos, sin = mb.rope_tables(cfg, "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.refresh_after(opt)
+        losses = []
+        for step in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            h, target = task.batch(step)
+            opt.zero_grad(set_to_none=True)
+            loss = mb.normalized_mse(forward(h, cos, sin), target)
+            loss.backward()
+            opt.step()
+            losses.append(_bits(loss).clone())
+        torch.cuda.synchronize()
+        return losses, [_bits(p).clone() for p in model.parameters()]
+
+    def same(a, b, what):
+        for i, (x, y) in enumerate(zip(a[0], b[0])):
+            assert_bytes_equal(y.cpu(), x.cpu(), f"{what}: loss {i}")
+        for i, (x, y) in enumerate(zip(a[1], b[1])):
+            assert_bytes_equal(y.cpu(), x.cpu(), f"{what}: parameter {i}")
+
+    same(train(), train(backend="cudagraphs"), "eager vs cudagraphs")
+    same(train(backend="inductor"), train(mode="reduce-overhead"), "inductor vs reduce-overhead")

@@ -339,8 +339,9 @@ def test_q_node_is_one_graph_node():
 
 
 def test_q_node_requantizes_a_weight_changed_in_place(monkeypatch):
-    """The node reads dispatch.weights' cache: an unchanged weight is quantized once, a weight written
-    in place (its version counter) is quantized again, and copies made by requantize are reused."""
+    """The node reads the module's persistent copies (WeightCopies): made at construction, refreshed
+    in place when the weight was written (its version counter) before the next forward, reused while
+    it is unchanged, and after refresh_weight_copies()."""
     quantized = []
     real_run = dispatch.run
 
@@ -351,8 +352,10 @@ def test_q_node_requantizes_a_weight_changed_in_place(monkeypatch):
 
     monkeypatch.setattr(dispatch, "run", run)
     gen = torch.Generator().manual_seed(13)
-    m = _module("mxfp8")
+    m = _module("mxfp8")  # construction quantizes; _module's init writes the weight in place
+    assert len(quantized) == 1
     x, cos, sin = _inputs(gen)
+    buffers = [b.data_ptr() for b in m.weight_copies.buffers()]
 
     def fresh():  # the uncached quantize of the weight as it is now
         w_row = real_run("mxfp8_quantize", m.weight.detach().bfloat16(), axis=1, backend="torch")
@@ -362,16 +365,17 @@ def test_q_node_requantizes_a_weight_changed_in_place(monkeypatch):
 
     first = m(x, cos, sin)
     m(x, cos, sin)
-    assert len(quantized) == 1
+    assert len(quantized) == 2
     assert_bytes_equal(first.data.reshape(T, H, 192), fresh().data, "q before the write")
     with torch.no_grad():
         m.weight.mul_(-0.5)
     second = m(x, cos, sin)
-    assert len(quantized) == 2
+    assert len(quantized) == 3
     assert_bytes_equal(second.data.reshape(T, H, 192), fresh().data, "q after the in-place write")
-    entry = mxw.requantize(m.weight, backend="torch")
+    m.refresh_weight_copies()
     m(x, cos, sin)
-    assert len(quantized) == 3 and mxw.cached_copy(m.weight, "torch") is entry
+    assert len(quantized) == 4
+    assert [b.data_ptr() for b in m.weight_copies.buffers()] == buffers  # refreshed in place
 
 
 class _Subclass(torch.Tensor):

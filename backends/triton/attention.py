@@ -30,7 +30,10 @@ Kernel design
   masking the first key blocks see the most queries).
 - Layouts are strides: a token's row is `b * stride_b + (seq_start + s) * stride_s + h * stride_h`,
   where thd has stride_b = 0 and seq_start = cu_seqlens[b]; bshd / sbhd have seq_start = 0. Only the
-  feature stride must be 1. lse is [B, H, S_q] (thd: [H, T_q]), addressed the same way.
+  feature stride must be 1. lse is [B, H, S_q] (thd: [H, T_q]), addressed the same way. thd sizes
+  its grids by the longest sequence, read from cu_seqlens on the host (one synchronisation), except
+  while a CUDA graph is captured: there the token counts bound it (programs past a sequence's end
+  return), and the tile class follows that bound, so it can differ from an eager call's.
 - MXFP8 operands (q, k blocked along D, v blocked along S): by default (`FWD_MX_DEQUANT =
   "predequant_qkv"`) one flat pass (quantize.dequantize_bf16_flat_many: the three operands in one
   launch, at device-copy speed) dequantizes the codes to bf16 and the bf16 kernel runs on the result.
@@ -694,10 +697,16 @@ class _Geometry:
             self.cu_q = cu_seqlens_q.to(torch.int32).contiguous()
             self.cu_kv = cu_seqlens_kv.to(torch.int32).contiguous()
             self.tokens_q = q_shape[0]
-            # One host sync: the grid needs the longest sequence (flash-attn's varlen API takes it
-            # as an argument; ours is derived).
-            self.max_q = int((self.cu_q[1:] - self.cu_q[:-1]).max().item()) if self.batch else 0
-            self.max_kv = int((self.cu_kv[1:] - self.cu_kv[:-1]).max().item()) if self.batch else 0
+            if self.cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
+                # a CUDA graph cannot read the lengths on the host: the token counts bound every
+                # sequence, and programs past their sequence's end return at once. The tile class
+                # follows the bound, so it may differ from an eager call's (module docstring)
+                self.max_q, self.max_kv = (self.tokens_q, kv_shape[0]) if self.batch else (0, 0)
+            else:
+                # One host sync: the grid needs the longest sequence (flash-attn's varlen API takes it
+                # as an argument; ours is derived).
+                self.max_q = int((self.cu_q[1:] - self.cu_q[:-1]).max().item()) if self.batch else 0
+                self.max_kv = int((self.cu_kv[1:] - self.cu_kv[:-1]).max().item()) if self.batch else 0
             self.seq_q = self.seq_kv = 0
             self.lse_shape = (self.heads, self.tokens_q)
             self.lse_strides = (0, self.tokens_q)
