@@ -2,17 +2,7 @@
 apart, class-based tests counted under their file, failures listed with their first line."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("junit_summary", os.path.join(ROOT, "tools", "junit_summary.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.util import load_tool
 
 
 def test_counts_per_file(tmp_path, capsys):
@@ -23,7 +13,7 @@ def test_counts_per_file(tmp_path, capsys):
                    '<testcase classname="tests.test_rope.TestK" name="c" time="0.25">'
                    '<failure message="boom&#10;detail"/></testcase>'
                    '</testsuite></testsuites>')
-    assert _tool().main(str(xml)) == 0
+    assert load_tool("junit_summary").main(str(xml)) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert rows[1:] == [["conformance/test_rope.py", "1", "0", "0", "1.5"],
                         ["test_rope.py", "0", "1", "1", "0.8"],
@@ -32,5 +22,5 @@ def test_counts_per_file(tmp_path, capsys):
 
 
 def test_unreadable_file_says_so(tmp_path, capsys):
-    assert _tool().main(str(tmp_path / "missing.xml")) == 1
+    assert load_tool("junit_summary").main(str(tmp_path / "missing.xml")) == 1
     assert "no readable" in capsys.readouterr().out

@@ -2,28 +2,19 @@
 holds every rank's rows, and TP's forward has exactly one collective (o_proj's all-reduce; W=1: none)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from tests.parallel_spawn import run_ranks  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("parallel_check", os.path.join(ROOT, "tools", "parallel_check.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.util import load_tool  # noqa: E402
 
 
 def _run(rank, world, out, paths):
-    return {"rc": _tool().main(["--smoke", "--steps", "1", "--warmup", "0", "--paths", paths, "--out", out])}
+    argv = ["--smoke", "--steps", "1", "--warmup", "0", "--paths", paths, "--out", out]
+    return {"rc": load_tool("parallel_check").main(argv)}
 
 
 @pytest.mark.parametrize("world, paths", [(1, "bf16"), (2, "mxfp8,bf16")])

@@ -169,3 +169,14 @@ def interleave(actors, rng, progress, patience=100_000) -> bool:
         if idle >= patience:
             return False
     return True
+
+
+def load_tool(name: str):
+    """The module of the script tools/<name>.py (tools/ is no package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
