@@ -203,8 +203,9 @@ def _backward_rule(ctx, dq, *_unused):
     if _resolution.is_resolved(backend):
         y_col = MXTensor(_resolution.stand_in(y_codes.shape, _E4M3, y_codes.device), y_scales, 0, "e4m3", "compact")
         k, n = w_codes_t.shape
-        w_col = MXTensor(_resolution._StandIn((n, k), (1, n), _E4M3, w_codes_t.device), w_scales_t.t(), 0, "e4m3",
-                         "compact")
+        w_col = MXTensor(_resolution.stand_in((n, k), _E4M3, w_codes_t.device, stride=(1, n)),
+                         _resolution.stand_in((n // 32, k), torch.uint8, w_codes_t.device, stride=(1, n // 32)), 0,
+                         "e4m3", "compact")
         backend = _resolution.resolve("mla_q_uproj_rope_quant_backward", dq, y_col, w_col, cos, sin, contiguous=(0,),
                                       quantize_grad=True, backend=backend)
     dx, dgamma, dw = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,

@@ -39,7 +39,8 @@ import dispatch as _dispatch
 import backends as _backends
 from spec.mxtensor import MXTensor
 
-__all__ = ["RESOLVED", "resolve", "resolve_described", "describe", "mx_description", "resolve_parts", "stand_in", "contiguous_like", "is_resolved", "request_of", "run"]
+__all__ = ["RESOLVED", "resolve", "resolve_described", "resolve_parts", "describe", "mx_description", "stand_in",
+           "is_resolved", "request_of", "run"]
 
 RESOLVED = "="  # leading mark of a backend string that names a resolved choice: "=choice;request"
 
@@ -108,16 +109,13 @@ def mx_description(shape, axis: int, device, elem: str = "e4m3") -> Tuple:
             "compact")
 
 
-def stand_in(shape, dtype: torch.dtype, device) -> _StandIn:
-    """A stand-in of a contiguous tensor of `shape`, `dtype`, `device` (metadata only): for an autograd
-    rule that resolves its backward op on what that op's custom op will pass on."""
+def stand_in(shape, dtype: torch.dtype, device, stride=None) -> _StandIn:
+    """A stand-in of a tensor of `shape`, `dtype`, `device` (contiguous unless `stride` is given;
+    metadata only): for an autograd rule that resolves its backward op on what that op's custom op will
+    pass on."""
     shape = tuple(int(n) for n in shape)
-    return _StandIn(shape, _contiguous_strides(shape), dtype, torch.device(device))
-
-
-def contiguous_like(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> _StandIn:
-    """A stand-in of `t.contiguous()` (viewed as `dtype` when given)."""
-    return stand_in(t.shape, t.dtype if dtype is None else dtype, t.device)
+    stride = _contiguous_strides(shape) if stride is None else tuple(int(n) for n in stride)
+    return _StandIn(shape, stride, dtype, torch.device(device))
 
 
 def _rebuild(d: Any) -> Any:
