@@ -172,3 +172,10 @@ def test_eager_counters_still_count_around_compiled_calls():
         assert patch_state(model).served == 0 and patch_state(model).traced == {"served": LAYERS}
         model(_batch(0))  # the model itself runs eagerly: counted per call
     assert patch_state(model).served == LAYERS
+
+
+def test_a_copied_patch_state_counts_its_own_traces():
+    model = patch_deepseek_v3(tiny_model(), path="bf16", backend="torch")
+    twin = copy.deepcopy(model)
+    patch_state(twin)._trace_marker(0, None)  # what dynamo runs while tracing a served layer
+    assert patch_state(twin).traced == {"served": 1} and not patch_state(model).traced

@@ -118,7 +118,7 @@ class PatchState:
     fallbacks: Counter = field(default_factory=Counter)
     served: int = 0
     traced: Counter = field(default_factory=Counter)
-    hooks: List[Any] = field(default_factory=list)
+    hooks: List[Any] = field(default_factory=list)  # handles of the DeepseekV3Model pre-hooks
     _logged: set = field(default_factory=set)
     _trace_marker: Any = field(init=False, repr=False, compare=False)
 
@@ -130,6 +130,13 @@ class PatchState:
             return True
 
         self._trace_marker = note_trace
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy of a patched model) gets a marker of its own
+        return {k: v for k, v in self.__dict__.items() if k != "_trace_marker"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__post_init__()
 
     def record(self, module: nn.Module, reason: Optional[str]) -> None:
         """One eager call served (reason None) or fallen back. Under torch.compile dynamo folds
@@ -143,7 +150,8 @@ class PatchState:
             self.fall_back(module, reason)
 
     def note_trace(self, layer_idx: Optional[int], reason: Optional[str]) -> None:
-        """One trace of a patched forward (dynamo runs this while tracing; its graph holds no trace of it)."""
+        """One trace of a patched forward: dynamo runs this while tracing, the compiled graph does not
+        contain it."""
         self.traced["served" if reason is None else reason] += 1
         if reason is not None:
             self._log(layer_idx, f"{reason} (under torch.compile, decided when traced)")
