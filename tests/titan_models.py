@@ -41,7 +41,8 @@ class DenseFlexAttention(FlexAttention):
     class Config(FlexAttention.Config):
         pass
 
-    def forward(self, q, k, v, *, attention_masks, scale=None, **kwargs):
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, **kwargs):  # stock's names (TP's local_map)
+        q, k, v = q_BLNH, k_BLNH, v_BLNH
         batch, seq = q.shape[:2]
         if isinstance(attention_masks, BlockMask):
             mask = create_mask(attention_masks.mask_mod, batch, 1, seq, seq, device=q.device)
@@ -62,8 +63,10 @@ def varlen_mask(cu_seqlens, batch: int, seq: int):
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
-def rope_config(max_seq_len: int = 512, yarn: bool = True) -> ComplexRoPE.Config:
-    extra = dict(scaling="yarn", rope_factor=40.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=64) if yarn else {}
+def rope_config(max_seq_len: int = 512, yarn: bool = True, original_seq_len: int = 64) -> ComplexRoPE.Config:
+    """DeepSeek-V3's ComplexRoPE (yarn, factor 40, as TorchTitan's flavors; original_seq_len 4096 there)."""
+    extra = dict(scaling="yarn", rope_factor=40.0, beta_fast=32.0, beta_slow=1.0,
+                 original_seq_len=original_seq_len) if yarn else {}
     return ComplexRoPE.Config(dim=64, max_seq_len=max_seq_len, theta=10000.0, **extra)
 
 

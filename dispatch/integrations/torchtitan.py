@@ -104,10 +104,19 @@ def _dtensor_type():
     return None if module is None else module.DTensor
 
 
-def _local(t):
-    """t's local tensor when it is a DTensor (differentiable), else t."""
+def _local(t, per_head: bool = False):
+    """t's local tensor when it is a DTensor (differentiable), else t. per_head: t is replicated over the
+    tensor-parallel mesh and each rank uses it for its own heads only, so each rank's gradient is a
+    partial sum (declared Partial where t is Replicate: DTensor reduces it where stock's ops would)."""
     dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+    if dtensor is None or not isinstance(t, dtensor):
+        return t
+    if not per_head:
+        return t.to_local()
+    from torch.distributed.tensor import Partial, Replicate
+
+    grads = [Partial() if isinstance(p, Replicate) else p for p in t.placements]
+    return t.to_local(grad_placements=grads)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,6 +211,12 @@ def _check_config(cfg, path: str) -> None:
                          f"got {width}")
 
 
+def _cp_wrapped(inner) -> bool:
+    """Whether TorchTitan's apply_cp_to_forward wrapped this inner attention (its CP path without
+    Module.parallelize, where `MXMLAAttention.parallelize` does not see the CP degree)."""
+    return getattr(vars(inner).get("forward"), "__name__", "") == "cp_forward"
+
+
 def _drop_weight_copies(module, incompatible_keys) -> None:
     invalidate()
 
@@ -237,7 +252,7 @@ class MXMLAAttention(Attention):
 
     def _plan(self, x, attention_masks, positions) -> Tuple[Optional[str], str, bool]:
         """(reason or None, "causal" | "documents" | "varlen", causal)."""
-        if self._context_parallel or "forward" in vars(self.inner_attention):
+        if self._context_parallel or _cp_wrapped(self.inner_attention):
             return "context parallelism (mxmla's ring attention is not wired to TorchTitan's CP)", "", True
         if x.dim() != 3:
             return f"x: expected [B, S, dim], got {tuple(x.shape)}", "", True
@@ -295,10 +310,10 @@ class MXMLAAttention(Attention):
         cos, sin = self._tables(positions, batch, seq)
 
         if self.q_lora_rank == 0:
-            c_q, weight, norm_weight, eps = _local(x), _local(self.wq.weight), None, 0.0
+            c_q, weight, norm_weight, eps = _local(x, True), _local(self.wq.weight), None, 0.0
         else:
-            c_q, weight = _local(self.wq_a(x)), _local(self.wq_b.weight)
-            norm_weight = _local(self.q_norm.weight)
+            c_q, weight = _local(self.wq_a(x), True), _local(self.wq_b.weight)
+            norm_weight = _local(self.q_norm.weight, True)
             eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(c_q.dtype).eps
         q = mla_q_projection(c_q, weight, cos, sin, norm_weight=norm_weight, eps=eps, path=self.path,
                              rope_style="mla", quantize_grad=self.quantize_grad, backend=self.backend)
@@ -306,7 +321,7 @@ class MXMLAAttention(Attention):
         kv_down = self.wkv_a(x)
         kv_latent, k_pe = torch.split(kv_down, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = _local(self.wkv_b(self.kv_norm(kv_latent)))
-        k_pe = _local(k_pe)
+        k_pe = _local(k_pe, True)
         cos_t = cos.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
         sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
         k_pe = mxag.rope(k_pe.reshape(tokens, 1, ROPE_DIM), cos_t, sin_t, style="mla", layout="thd",
