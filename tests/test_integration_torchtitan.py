@@ -97,8 +97,8 @@ def test_converter_through_model_registry_and_override_entry():
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.models.deepseek_v3 import model_registry
 
-    spec = model_registry("debugmodel", converters=[tt.MXMLAConverter.Config(path="bf16")])
-    layers = list(spec.model.layers)
+    spec = model_registry("debugmodel", converters=[tt.MXMLAConverter.Config(path="bf16")], num_mtp_layers=1)
+    layers = list(spec.model.layers) + list(spec.model.mtp_layers)
     assert layers and all(type(layer.attention) is tt.MXMLAAttention.Config for layer in layers)
     assert layers[0].attention.q_lora_rank == 0  # the debug model: wq, no q_lora
     cfg = tm.deepseek_v3_config()
@@ -485,6 +485,14 @@ def _tp_rank(rank, world, backend, path, sequence_parallel):
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world,
                         spmd_backend=backend)
     dims.build_mesh()
+    handed = []  # what the converted layers hand mla_attention as cu_seqlens
+    real_attention = tt.mxag.mla_attention
+
+    def recording(*args, **kwargs):
+        handed.append(type(kwargs["cu_seqlens_q"]).__name__)
+        return real_attention(*args, **kwargs)
+
+    tt.mxag.mla_attention = recording
     cfg = tm.deepseek_v3_config(heads=4)
     models = []
     for c in (copy.deepcopy(cfg), tt.convert_deepseek_v3(copy.deepcopy(cfg), path=path)):
@@ -510,7 +518,7 @@ def _tp_rank(rank, world, backend, path, sequence_parallel):
               for (n, p), pc in zip(models[0].named_parameters(), models[1].parameters())}
     attn = models[1].layers["0"].attention
     return {"losses": losses, "errors": errors, "served": attn.mxmla_served, "fallbacks": dict(attn.mxmla_fallbacks),
-            "local_rows": tuple(local(attn.wq_b.weight).shape)}
+            "local_rows": tuple(local(attn.wq_b.weight).shape), "cu_seqlens": handed}
 
 
 @pytest.mark.parametrize("backend, path, sequence_parallel", [
@@ -526,6 +534,7 @@ def test_tensor_parallel_two_ranks_matches_stock(backend, path, sequence_paralle
         assert not bad, bad
         assert results["served"] == 1 and not results["fallbacks"]
         assert results["local_rows"] == (2 * 192, 32)  # each rank ran its own 2 of the 4 heads
+        assert results["cu_seqlens"] == ["Tensor", "Tensor"]  # local cu_seqlens, never a DTensor
 
 
 # ---- the GPU benchmark's smoke mode ---------------------------------------------------------------
