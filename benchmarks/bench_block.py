@@ -10,6 +10,8 @@ kv_lora 512, head dims 128 + 64 / 128), forward + backward, on every path a user
            up-projection as one op, k and v as one op, attention), backends resolved at trace time, W_UQ's
            persistent MXFP8 copies read as graph inputs (refreshed in place after each step)
   bf16-compile   torch.compile(fullgraph=True) of the bf16 block
+  mxfp8-cudagraph, compile-cudagraph   the same compiles with mode="reduce-overhead" (CUDA graphs: the
+           step's kernels replayed without host issue cost)
 
     python benchmarks/bench_block.py [--quick] [--shapes B1S4096,B2S4096,B1S16384] [--paths ...] [--json PATH]
     python benchmarks/bench_block.py --smoke          # tiny config on CPU (torch backend), seconds
@@ -55,8 +57,10 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 import benchlib  # noqa: E402
 
-PATHS = ("mxfp8", "bf16", "torch", "compile", "mxfp8-compile", "bf16-compile")
-BLOCK_PATH = {"compile": "torch", "mxfp8-compile": "mxfp8", "bf16-compile": "bf16"}  # compiled path -> block
+PATHS = ("mxfp8", "bf16", "torch", "compile", "mxfp8-compile", "bf16-compile", "mxfp8-cudagraph", "compile-cudagraph")
+BLOCK_PATH = {"compile": "torch", "mxfp8-compile": "mxfp8", "bf16-compile": "bf16",  # compiled path -> block
+              "mxfp8-cudagraph": "mxfp8", "compile-cudagraph": "torch"}
+CUDAGRAPH_PATHS = ("mxfp8-cudagraph", "compile-cudagraph")
 DEFAULT_SHAPES = ("B1S4096", "B2S4096", "B1S16384")
 
 
@@ -135,8 +139,11 @@ class Bench:
     def __init__(self, cfg, path: str, backend=None, seed: int = 0):
         block_path = BLOCK_PATH.get(path, path)
         self.block = mb.MLABlock(cfg, block_path, quantize_grad=True, backend=backend).reset_parameters(seed).to(DEVICE)
+        self.cudagraph = path in CUDAGRAPH_PATHS and DEVICE == "cuda"
         if path == "compile":
             self.forward = torch.compile(self.block)
+        elif self.cudagraph:
+            self.forward = torch.compile(self.block, fullgraph=block_path != "torch", mode="reduce-overhead")
         elif path in BLOCK_PATH:
             # the mxmla blocks in one graph (fullgraph: a graph break raises); on a CPU (--smoke) without
             # Inductor's C++ toolchain: AOTAutograd's graphs run eagerly
@@ -156,6 +163,8 @@ class Bench:
         for p in self.params:
             p.grad = None
         self.h.grad = None
+        if self.cudagraph:  # the previous step's graph outputs are dead: replay may reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         if events:
             events[0].record()
         out = self.forward(self.h, self.cos, self.sin)
@@ -178,6 +187,8 @@ class Bench:
         for p in self.params:
             p.grad = None
         self.h.grad = None
+        if self.cudagraph:
+            torch.compiler.cudagraph_mark_step_begin()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
