@@ -70,7 +70,7 @@ from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quan
 from spec.mxtensor import MXTensor
 
 __all__ = ["MXFP8Weight", "WeightCopies", "quantized_weight", "plain_copies", "weight_grad", "requantize", "quantize_after_step",
-           "invalidate", "cached_copy", "optimizer_generation"]
+           "invalidate", "cached_copy", "optimizer_generation", "adopt"]
 
 _QUANT = dict(axis=(1, 0), elem="e4m3", scale_mode="rceil", nonfinite="saturate", scale_layout="compact")
 
@@ -459,3 +459,17 @@ def cached_copy(w: Tensor, backend: Optional[str] = None, rows: Optional[Tensor]
     with _lock:
         entry = _cache.get(w)
     return entry if entry is not None and entry.key == _key(w, backend, rows) else None
+
+
+def adopt(w: Tensor, entry: MXFP8Weight, *, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> None:
+    """Make `entry` (copies made earlier from the values w holds now) w's cache entry under w's current
+    key, so the next `quantized_weight` / `plain_copies` of w with this backend and rows reuse it. For a
+    caller that knows more than the key: an FSDP2-gathered weight lands in new storage at every
+    all-gather while its values change only at optimizer steps and loads (the TorchTitan integration
+    keys it on the sharded parameter's version and the step clock). The caller vouches for the values."""
+    _check_weight(w)
+    if not isinstance(entry, MXFP8Weight) or tuple(entry.row.shape) != tuple(w.shape):
+        raise ValueError(f"entry: expected an MXFP8Weight of w's shape {tuple(w.shape)}, got "
+                         f"{tuple(entry.row.shape) if isinstance(entry, MXFP8Weight) else type(entry).__name__}")
+    with _lock:
+        _cache[w] = MXFP8Weight(_key(w, backend, rows), entry.row, entry.col)

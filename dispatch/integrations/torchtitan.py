@@ -59,6 +59,7 @@ holds for q's MXFP8 weight copy.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -68,7 +69,7 @@ from torch import Tensor
 
 import dispatch.autograd as mxag
 from dispatch.nn import PATHS, mla_q_projection
-from dispatch.weights import invalidate
+from dispatch.weights import adopt, cached_copy, invalidate, optimizer_generation
 
 try:  # the optional extra `.[torchtitan]`
     from torch.nn.attention.flex_attention import BlockMask, and_masks
@@ -217,6 +218,27 @@ def _cp_wrapped(inner) -> bool:
     return getattr(vars(inner).get("forward"), "__name__", "") == "cp_forward"
 
 
+def _fsdp_param(module, name: str):
+    """FSDP2's FSDPParam of `module.<name>`, or None where FSDP2 does not manage it. Read from
+    torch.distributed's registry of composable states (FSDP2 internals, so every step is checked:
+    anything unexpected answers None, and the copy is then keyed as dispatch.weights keys it)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if isinstance(ref, weakref.ref) else ref
+        if not isinstance(state, FSDPState):
+            continue
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            info = getattr(fsdp_param, "_module_info", None)
+            if getattr(info, "module", None) is module and getattr(info, "param_name", None) == name:
+                return fsdp_param
+    return None
+
+
 def _drop_weight_copies(module, incompatible_keys) -> None:
     invalidate()
 
@@ -240,6 +262,8 @@ class MXMLAAttention(Attention):
         self.mxmla_fallbacks: Counter = Counter()
         self.mxmla_served = 0
         self._context_parallel = False
+        self._q_copy = None       # (token, MXFP8Weight): q's weight copy under FSDP2 (see _q_copy_token)
+        self._fsdp_probe = None   # (weakref to the weight seen, weakref to its FSDPParam or None)
         # a load writes the parameters outside an optimizer step; under FSDP2 the gathered weight the
         # copies were keyed on does not see it, so every cached copy goes (dispatch.weights.invalidate)
         self.register_load_state_dict_post_hook(_drop_weight_copies)
@@ -282,6 +306,39 @@ class MXMLAAttention(Attention):
             log.warning("mxmla %s path: a DeepSeek-V3 Attention runs TorchTitan's forward: %s (logged once per "
                         "reason)", self.path, reason)
 
+    # ---- q's weight copy under FSDP2 --------------------------------------------------------
+
+    def _q_copy_token(self, owner, weight) -> Optional[tuple]:
+        """When FSDP2 manages q's weight (eager, unsharded for this forward): what its values depend on,
+        the optimizer-step clock and the sharded parameter's identity and version counters (in-place
+        writes: optimizer steps, loads). The gathered weight lands in new storage at each all-gather
+        while these stand still, so dispatch.weights' own key (storage, version) would re-quantize every
+        forward; equal tokens let the copy made earlier in the step serve. None elsewhere."""
+        probe = self._fsdp_probe
+        if probe is None or probe[0]() is not weight:
+            fsdp_param = _fsdp_param(owner, "weight")
+            probe = self._fsdp_probe = (weakref.ref(weight), None if fsdp_param is None else weakref.ref(fsdp_param))
+        fsdp_param = None if probe[1] is None else probe[1]()
+        if fsdp_param is None or getattr(fsdp_param, "_unsharded_param", None) is not weight:
+            return None
+        sharded = fsdp_param.sharded_param
+        local = getattr(sharded, "_local_tensor", sharded)
+        return (optimizer_generation(), id(sharded), sharded._version, local._version, self.backend)
+
+    def _q_projection(self, c_q, owner, weight, norm_weight, eps, cos, sin):
+        token = None
+        # FSDP2's gathered weight is a plain nn.Parameter (a tensor-parallel local view is not: skipped)
+        if self.path == "mxfp8" and not torch.compiler.is_compiling() and type(weight) is torch.nn.Parameter:
+            token = self._q_copy_token(owner, weight)
+            if token is not None and self._q_copy is not None and self._q_copy[0] == token:
+                adopt(weight, self._q_copy[1], backend=self.backend)
+        q = mla_q_projection(c_q, weight, cos, sin, norm_weight=norm_weight, eps=eps, path=self.path,
+                             rope_style="mla", quantize_grad=self.quantize_grad, backend=self.backend)
+        if token is not None:
+            entry = cached_copy(weight, self.backend)
+            self._q_copy = None if entry is None else (token, entry)
+        return q
+
     # ---- forward ---------------------------------------------------------------------------
 
     def _tables(self, positions, batch: int, seq: int) -> Tuple[Tensor, Tensor]:
@@ -310,13 +367,12 @@ class MXMLAAttention(Attention):
         cos, sin = self._tables(positions, batch, seq)
 
         if self.q_lora_rank == 0:
-            c_q, weight, norm_weight, eps = _local(x, True), _local(self.wq.weight), None, 0.0
+            owner, c_q, norm_weight, eps = self.wq, _local(x, True), None, 0.0
         else:
-            c_q, weight = _local(self.wq_a(x), True), _local(self.wq_b.weight)
+            owner, c_q = self.wq_b, _local(self.wq_a(x), True)
             norm_weight = _local(self.q_norm.weight, True)
             eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(c_q.dtype).eps
-        q = mla_q_projection(c_q, weight, cos, sin, norm_weight=norm_weight, eps=eps, path=self.path,
-                             rope_style="mla", quantize_grad=self.quantize_grad, backend=self.backend)
+        q = self._q_projection(c_q, owner, _local(owner.weight), norm_weight, eps, cos, sin)
 
         kv_down = self.wkv_a(x)
         kv_latent, k_pe = torch.split(kv_down, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
