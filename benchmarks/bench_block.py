@@ -134,12 +134,14 @@ def block_config(b: int, s: int, smoke: bool):
 
 
 class Bench:
-    """One path's block, inputs and step function."""
+    """One path's block, inputs and step function, on `device` (default: this machine's DEVICE; a caller
+    whose process group serves another device, e.g. gloo's CPU on a GPU machine, names it)."""
 
-    def __init__(self, cfg, path: str, backend=None, seed: int = 0):
+    def __init__(self, cfg, path: str, backend=None, seed: int = 0, device=None):
+        self.device = torch.device(DEVICE if device is None else device)
         block_path = BLOCK_PATH.get(path, path)
-        self.block = mb.MLABlock(cfg, block_path, quantize_grad=True, backend=backend).reset_parameters(seed).to(DEVICE)
-        self.cudagraph = path in CUDAGRAPH_PATHS and DEVICE == "cuda"
+        self.block = mb.MLABlock(cfg, block_path, quantize_grad=True, backend=backend).reset_parameters(seed).to(self.device)
+        self.cudagraph = path in CUDAGRAPH_PATHS and self.device.type == "cuda"
         if path == "compile":
             self.forward = torch.compile(self.block)
         elif self.cudagraph:
@@ -148,13 +150,13 @@ class Bench:
             # the mxmla blocks in one graph (fullgraph: a graph break raises); on a CPU (--smoke) without
             # Inductor's C++ toolchain: AOTAutograd's graphs run eagerly
             self.forward = torch.compile(self.block, fullgraph=True,
-                                         backend="inductor" if DEVICE == "cuda" else "aot_eager")
+                                         backend="inductor" if self.device.type == "cuda" else "aot_eager")
         else:
             self.forward = self.block
         gen = torch.Generator().manual_seed(seed + 7)
-        self.h = (torch.randn(cfg.tokens, cfg.hidden, generator=gen)).to(torch.bfloat16).to(DEVICE).requires_grad_(True)
-        self.dout = (torch.randn(cfg.tokens, cfg.hidden, generator=gen) * 1e-3).to(torch.bfloat16).to(DEVICE)
-        self.cos, self.sin = mb.rope_tables(cfg, DEVICE)
+        self.h = (torch.randn(cfg.tokens, cfg.hidden, generator=gen)).to(torch.bfloat16).to(self.device).requires_grad_(True)
+        self.dout = (torch.randn(cfg.tokens, cfg.hidden, generator=gen) * 1e-3).to(torch.bfloat16).to(self.device)
+        self.cos, self.sin = mb.rope_tables(cfg, self.device)
         self.params = list(self.block.parameters())
         self.bump = getattr(torch.autograd.graph, "increment_version", None)
         self.requantize = self.block.requantize_weights if block_path == "mxfp8" else None

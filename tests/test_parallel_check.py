@@ -1,5 +1,6 @@
 """tools/parallel_check.py --smoke on 1 (bf16 path) and 2 (both paths) gloo ranks: every check passes, the table prints, the JSON
-holds every rank's rows, and TP's forward has exactly one collective (o_proj's all-reduce; W=1: none)."""
+holds every rank's rows, and TP's forward has exactly one collective (o_proj's all-reduce; W=1: none).
+The benchmark's default device is set to another one than the group's, as on a GPU machine."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,12 @@ from tests.util import load_tool  # noqa: E402
 
 def _run(rank, world, out, paths):
     argv = ["--smoke", "--steps", "1", "--warmup", "0", "--paths", paths, "--out", out]
-    return {"rc": load_tool("parallel_check").main(argv)}
+    tool = load_tool("parallel_check")
+    # a GPU machine's situation on any machine: the benchmark's own default device is not the one the
+    # gloo group serves (the CPU), so every tensor must come from the device parallel_check names ("meta"
+    # stands in for the GPU: a tensor made there instead fails the first op that meets a CPU tensor)
+    tool.bench_block.DEVICE = "meta"
+    return {"rc": tool.main(argv)}
 
 
 @pytest.mark.parametrize("world, paths", [(1, "bf16"), (2, "mxfp8,bf16")])

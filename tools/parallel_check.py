@@ -251,7 +251,7 @@ def time_steps(step, device, warmup: int, steps: int):
 def run_path(path: str, args, device, mesh) -> list:
     world = dist.get_world_size()
     cfg = block_config(args, world)
-    bench = bench_block.Bench(cfg, path, args.backend)
+    bench = bench_block.Bench(cfg, path, args.backend, device=device)  # the group's device, not the machine's
     ref_out = bench.step().detach()  # leaves the reference gradients on bench.block and bench.h
     ref_grads = {n: p.grad.clone() for n, p in bench.block.named_parameters()}
     ref_dh = bench.h.grad.clone()
