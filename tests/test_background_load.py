@@ -20,6 +20,7 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_load_for_device_loads_and_fingerprints_where_cuda_is(monkeypatch):
+    pytest.importorskip("triton")
     import torch
 
     calls = []

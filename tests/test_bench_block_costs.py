@@ -3,6 +3,7 @@ by name, the wrapped functions are put back on exit, and gpu_bound_ms says nothi
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -13,6 +14,7 @@ import dispatch  # noqa: E402
 
 def test_first_call_costs_times_ops_and_restores():
     real_run = dispatch.run
+    pytest.importorskip("triton")
     from triton.runtime import autotuner, jit
     real_compile, real_bench = getattr(jit.JITFunction, "_do_compile", None), getattr(autotuner.Autotuner, "_bench", None)
     x = (torch.randn(64, 64) * 3).to(torch.bfloat16)

@@ -108,6 +108,7 @@ def _launches(monkeypatch, tuner):
 
 
 def test_rope_heuristic_tile(monkeypatch):
+    pytest.importorskip("triton")
     from backends.triton import rope as mod
 
     _gpu_path(monkeypatch, mod)
@@ -120,6 +121,7 @@ def test_rope_heuristic_tile(monkeypatch):
 
 
 def test_rmsnorm_heuristic_tile(monkeypatch):
+    pytest.importorskip("triton")
     from backends.triton import rmsnorm as mod
 
     _gpu_path(monkeypatch, mod)
@@ -132,6 +134,7 @@ def test_rmsnorm_heuristic_tile(monkeypatch):
 
 
 def test_quantize_and_dequantize_heuristic_tile(monkeypatch):
+    pytest.importorskip("triton")
     from backends.triton import quantize as mod
 
     _gpu_path(monkeypatch, mod)

@@ -87,6 +87,8 @@ def _attention_inputs(seed):
 
 def test_interpreted_attention_from_eight_threads_matches_serial_bytes():
     import dispatch
+
+    pytest.importorskip("triton")
     from backends.triton._common import interpret_mode
 
     if not interpret_mode():

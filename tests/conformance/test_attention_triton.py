@@ -38,6 +38,7 @@ from tests.conformance.test_attention import (
 from tests.util import BF16, random_magnitudes
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_numpy, to_torch  # noqa: E402
 
 D_QK, D_V = 192, 128

@@ -22,6 +22,7 @@ from tests.test_gemm import mx, small_int_operand
 from tests.util import assert_bytes_equal, poisoned_empty
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_numpy, to_torch  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
 

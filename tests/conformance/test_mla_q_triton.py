@@ -25,6 +25,7 @@ from tests.test_mla_q import exact_case, mx_rowwise, random_operands, tables
 from tests.util import BF16, assert_bytes_equal, poisoned_empty, skip_without_triton_interpreter
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_numpy, to_torch  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
 

@@ -27,6 +27,7 @@ from tests.test_mla_q import exact_case
 from tests.util import BF16, assert_bytes_equal, poisoned_empty, random_magnitudes
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_torch  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
 

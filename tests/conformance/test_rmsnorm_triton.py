@@ -19,6 +19,7 @@ from tests.conformance.conftest import run_on
 from tests.util import BF16, assert_bytes_equal, random_magnitudes, special_values_f32
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_numpy, to_torch  # noqa: E402
 
 spec_rmsnorm = importlib.import_module("spec.rmsnorm")

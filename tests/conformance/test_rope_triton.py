@@ -11,6 +11,7 @@ from tests.conformance.conftest import run_on
 from tests.util import BF16, assert_bytes_equal, random_magnitudes, special_values_f32
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("triton")  # every test here is of the Triton backend
 from backends.convert import to_torch  # noqa: E402
 
 STYLES = ("mla", "neox", "interleaved")
