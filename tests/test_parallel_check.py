@@ -43,3 +43,14 @@ def test_smoke(tmp_path, capfd, world, paths):
             if row["mode"] == "TP":
                 want = {} if world == 1 else {"c10d_functional.all_reduce": 1}
                 assert row["fwd_collectives"] == want, row["fwd_collectives"]
+
+
+def _device_where_cuda_is(rank, world):
+    torch.cuda.is_available = lambda: True  # as on a GPU machine: the gloo group still means the CPU
+    device, made = load_tool("parallel_check").init_distributed()
+    return {"device": str(device), "made": made}
+
+
+def test_a_gloo_group_runs_on_the_cpu_also_where_cuda_is():
+    """gloo's send / recv move host memory only, so the check joins a gloo group on the CPU."""
+    assert run_ranks(_device_where_cuda_is, 2) == [{"device": "cpu", "made": False}] * 2
