@@ -236,10 +236,16 @@ def test_quantize_shards_a_blocked_axis_only_in_whole_blocks(ranks):
         assert message is not None and message.startswith("x: sharded 2 ways along blocked axis 0"), message
 
 
+# DTensor never meets these: mla_kv_mxfp8 given DTensors takes the composition of the other ops (rope,
+# then mxfp8_quantize of k and of v), as the TP runs of the block (tests/test_parallel_check.py) and
+# of the patched HF model (tests/test_parallel_hf.py) do on the mxfp8 path.
+COMPOSED_FOR_DTENSOR = {"mla_kv_mxfp8", "mla_kv_mxfp8_backward"}
+
+
 def test_every_custom_op_has_a_rule():
-    """Every op of dispatch.autograd.OPS has a DTensor strategy: a register_sharding rule, except
-    mxfp8_quantize (list output), whose strategy is registered with the propagator directly."""
-    assert set(mxag.OPS) - set(RULES) == {"mxfp8_quantize"}
+    """Every op of dispatch.autograd.OPS that a DTensor can reach has a DTensor strategy: a register_sharding
+    rule, except mxfp8_quantize (list output), whose strategy is registered with the propagator directly."""
+    assert set(mxag.OPS) - set(RULES) - COMPOSED_FOR_DTENSOR == {"mxfp8_quantize"}
     props = DTensor._op_dispatcher.sharding_propagator
-    for name in mxag.OPS:
+    for name in set(mxag.OPS) - COMPOSED_FOR_DTENSOR:
         assert getattr(torch.ops.mxmla, name).default in props.op_strategy_funcs, name
