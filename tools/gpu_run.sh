@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
 #   tools/gpu_run.sh [phases...]    phases: info test sanitize bench (default: all)
+#   `test` (the whole pytest, up to TEST_CAP = 530 s) fills one 600 s device command by itself.
 # Run through the device tool with `.whl` carried (tools/fetch_cudnn_frontend.sh fills it here).
 # Writes logs and JSON under $OUT (or ./gpu_out when $OUT is unset).
 set -uo pipefail
