@@ -146,18 +146,28 @@ def resolve_described(op: str, backend: Optional[str], args: Tuple, kwargs: Tupl
     return _choose(op, backend, args, kwargs, _dispatch._env_raw() if backend is None else None)
 
 
+def _describe_keyword(name: str, v: Any) -> Any:
+    """describe(v), except packed sequences' offsets (cu_seqlens*): their length, the number of
+    sequences, is data (a dynamic or data-dependent size under torch.compile, which no constant
+    describes) and no selection depends on it, so they are described as the offsets of one sequence."""
+    if name.startswith("cu_seqlens") and isinstance(v, torch.Tensor):
+        return ("tensor", (2,), (1,), v.dtype, v.device)
+    return describe(v)
+
+
 def resolve(op: str, *args, backend: Optional[str] = None, contiguous: Tuple[int, ...] = (), **kwargs) -> str:
     """The choice `dispatch.run(op, *args, backend=backend, **kwargs)` would make, resolved: "=" +
     `dispatch.select`'s answer + ";" + the request. A resolved `backend` (another op's) stands for its
     request. `contiguous`: positions of tensor arguments the op hands on as `.contiguous()`. Raises what
     dispatch.run would (spec's validators on the shapes, BackendUnavailable)."""
     return resolve_described(op, request_of(backend), tuple(describe(a, i in contiguous) for i, a in enumerate(args)),
-                             tuple((k, describe(v)) for k, v in kwargs.items()))
+                             tuple((k, _describe_keyword(k, v)) for k, v in kwargs.items()))
 
 
 def resolve_parts(op: str, backend: Optional[str], args: Tuple, **kwargs) -> str:
     """`resolve` on positional arguments given as descriptions (`describe`, `mx_description`)."""
-    return resolve_described(op, request_of(backend), tuple(args), tuple((k, describe(v)) for k, v in kwargs.items()))
+    return resolve_described(op, request_of(backend), tuple(args),
+                             tuple((k, _describe_keyword(k, v)) for k, v in kwargs.items()))
 
 
 @functools.lru_cache(maxsize=256)

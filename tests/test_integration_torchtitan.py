@@ -199,8 +199,13 @@ def test_packed_documents_match_stock(path, masks):
 def test_document_cu_seqlens_cut_rows_and_documents():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
     cu = tt.document_cu_seqlens(positions, 2, 6)
-    assert cu.dtype == torch.int32 and cu.shape == (13,)
-    assert cu.tolist() == [0, 3, 5, 6, 8] + [12] * 8
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 5, 6, 8, 12]
+    assert tt.document_cu_seqlens(positions, 2, 6) is cu  # one read per positions tensor in eager mode
+    positions[1, 0] = 0  # an in-place edit is seen
+    assert tt.document_cu_seqlens(positions, 2, 6).tolist() == [0, 3, 5, 6, 8, 12]
+    positions[1, 1] = 0
+    assert tt.document_cu_seqlens(positions, 2, 6).tolist() == [0, 3, 5, 6, 7, 8, 12]
+    torch.library.opcheck(torch.ops.mxmla.titan_document_cu_seqlens, (positions, 2, 6))
 
 
 @pytest.mark.parametrize("path", ["bf16", "mxfp8"])
@@ -331,6 +336,35 @@ def test_compile_per_block_fullgraph_matches_eager_without_recompiles(path):
         torch.compiler.set_stance("default")
     served, fallbacks = _served(compiled)
     assert not fallbacks
+
+
+@pytest.mark.parametrize("path", ["mxfp8"])
+def test_compile_varlen_documents_of_varying_counts(path):
+    """VarlenMetadata's cu_seq_q changes length with the number of documents: after dynamo's one
+    recompile to a dynamic size, no recompile; the same gradients as eager."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(inner_attention=VarlenAttention.Config()), path=path)
+    eager, compiled = tm.build(copy.deepcopy(cfg)), tm.build(copy.deepcopy(cfg))
+    apply_compile(compiled, compile_config=CompileConfig(enable=True, backend="aot_eager"),
+                  parallel_dims=_single_dims())
+    tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    try:
+        for i, lengths in enumerate(([20, 7, 37], [64], [10, 10, 10, 34], [5, 59], [1, 63, 32])):
+            if i == 2:
+                torch.compiler.set_stance("fail_on_recompile")
+            positions = tm.packed_positions(B, S, lengths)
+            meta = create_varlen_metadata_for_document(positions)
+            for model in (eager, compiled):
+                model.zero_grad()
+            le, ge = _grads(eager, tokens, positions, meta)
+            lc, gc = _grads(compiled, tokens, positions, meta)
+            assert abs(lc.item() - le.item()) <= 1e-5 * abs(le.item())
+            assert all(_rel(gc[n], ge[n]) <= 1e-5 for n in ge)
+    finally:
+        torch.compiler.set_stance("default")
 
 
 def _single_dims():

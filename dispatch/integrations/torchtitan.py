@@ -37,9 +37,12 @@ Conventions mapped:
 - Masks: a flex BlockMask whose mask_mod is TorchTitan's causal mask, or causal AND its packed-document
   mask (`get_efficient_causal_mask_mod_for_packed_document` / `get_document_mask_mod`, which
   `Decoder.get_attention_masks` builds from the same `positions`): causal attention over the documents
-  where `positions` restart at 0 (thd layout; the cu_seqlens are built on the device with one slot per
-  token, no host read). `VarlenMetadata` of a causal `VarlenAttention` (window (-1, 0)), or a full one
-  ((-1, -1)): its `cu_seq_q` as thd cu_seqlens, used as given (no host read).
+  where `positions` restart at 0 (thd layout; the number of documents is data, so building their
+  cu_seqlens reads the device once: per forward in eager mode, shared by the layers; per layer under
+  torch.compile, a custom op with a data-dependent size). `VarlenMetadata` of a causal `VarlenAttention`
+  (window (-1, 0)), or a full one ((-1, -1)): its `cu_seq_q` as thd cu_seqlens, used as given (the
+  integration reads nothing; TorchTitan built it with one read per forward). Under torch.compile a
+  changing number of documents costs dynamo's one recompile to a dynamic size, then none.
 
 What the path cannot serve runs stock's forward, the reason logged once per reason to
 logging.getLogger("mxmla.integrations") and counted in `layer.mxmla_fallbacks` (eager calls): a
@@ -66,6 +69,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch.autograd as mxag
 from dispatch.nn import PATHS, mla_q_projection
@@ -168,16 +172,40 @@ def _names(mods) -> str:
     return ", ".join(getattr(m, "__name__", type(m).__name__) for m in mods)
 
 
-def document_cu_seqlens(positions: Tensor, batch: int, seq: int) -> Tensor:
-    """int32 [batch * seq + 1]: cu_seqlens of the documents of the packed rows, a document starting at
-    each row start and wherever `positions` is 0 (TorchTitan's convention), then empty sequences up to
-    the fixed length. Built on the device with no host read (the number of documents is data)."""
+@torch.library.custom_op("mxmla::titan_document_cu_seqlens", mutates_args=())
+def _document_cu_seqlens_op(positions: Tensor, batch: int, seq: int) -> Tensor:
     tokens = batch * seq
     flat = positions.expand(batch, seq).reshape(tokens)
     index = torch.arange(tokens, device=flat.device)
-    start = (flat == 0) | (index % seq == 0)
-    first = torch.where(start, index, torch.full_like(index, tokens)).sort().values
-    return torch.cat([first, first.new_full((1,), tokens)]).to(torch.int32)
+    starts = ((flat == 0) | (index % seq == 0)).nonzero().flatten()
+    return torch.cat([starts, starts.new_full((1,), tokens)]).to(torch.int32)
+
+
+@_document_cu_seqlens_op.register_fake
+def _(positions, batch, seq):
+    # the number of documents is data: an unbacked size (at least one document, at most one per token)
+    entries = torch.library.get_ctx().new_dynamic_size(min=2, max=batch * seq + 1)
+    return positions.new_empty((entries,), dtype=torch.int32)
+
+
+_cu_cache: "WeakTensorKeyDictionary" = WeakTensorKeyDictionary()
+
+
+def document_cu_seqlens(positions: Tensor, batch: int, seq: int) -> Tensor:
+    """int32 [documents + 1]: cu_seqlens of the documents of the packed rows, a document starting at
+    each row start and wherever `positions` is 0 (TorchTitan's convention). The number of documents is
+    data, so this reads the device once (a custom op with a data-dependent size under torch.compile);
+    eager calls keep the result per positions tensor, so the layers of one forward share that read."""
+    compiling = torch.compiler.is_compiling()
+    key = (positions._version, batch, seq)
+    if not compiling:
+        hit = _cu_cache.get(positions)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+    cu = _document_cu_seqlens_op(positions, batch, seq)
+    if not compiling:
+        _cu_cache[positions] = (key, cu)
+    return cu
 
 
 # --------------------------------------------------------------------------------------------------
