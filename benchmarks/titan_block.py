@@ -16,8 +16,11 @@ set up as TorchTitan's parallelize does at world size 1: every block compiled wi
 reduction) on a one-rank process group; AdamW on the fp32 master weights.
 
 Data: B x S tokens (--batch 1 --seq 4096) from a fixed random first-order Markov chain (hf_layer.py's
-MarkovData: learnable, with a known entropy floor), positions 0..S-1, the causal BlockMask
-`Decoder.get_attention_masks` builds for them (one document per row), next-token cross-entropy.
+MarkovData: learnable, with a known entropy floor), positions 0..S-1, next-token cross-entropy. Mask
+(--mask): "documents" (default) is the BlockMask `Decoder.get_attention_masks` builds for these
+positions (causal AND packed documents, one document per row: mxmla's thd path, with the documents'
+cu_seqlens read from the device once per layer under compile, and the Triton attention's own read of
+the longest sequence); "causal" is TorchTitan's causal mask alone (mxmla's bshd path, no host read).
 
 Measured, the two models taking turns (--rounds rounds of --iters steps each; a step is forward,
 backward and the optimizer step, timed with CUDA events; median over all timed steps after the first
@@ -65,6 +68,9 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=4, help="timing rounds (the first is warm-up)")
     ap.add_argument("--iters", type=int, default=5, help="timed steps per model per round")
     ap.add_argument("--backend", default=None, help="mxmla backend for every op (default: automatic)")
+    ap.add_argument("--mask", choices=("documents", "causal"), default="documents",
+                    help="documents: the BlockMask TorchTitan builds (causal AND packed documents, here one "
+                         "per row; mxmla's thd path); causal: the causal mask alone (mxmla's bshd path)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.layers, args.batch, args.seq, args.ffn, args.vocab = 2, 2, 64, 64, 128
@@ -185,7 +191,7 @@ def run(args) -> dict:
            "torch": torch.__version__, "smoke": args.smoke, "args": vars(args)}
 
     models = {"stock": build(stock_cfg, device, args.smoke), "mxfp8": build(converted_cfg, device, args.smoke)}
-    mask = models["stock"].get_attention_masks(positions) if not args.smoke else _smoke_mask(args)
+    mask = _mask(args, models["stock"], positions)
     res["check"] = served_eagerly(converted_cfg, (data.batch(0, args.batch, args.seq).to(device), positions, mask),
                                   device)
     opts = {n: torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
@@ -216,16 +222,26 @@ def run(args) -> dict:
     return res
 
 
-def _smoke_mask(args):
-    from tests.titan_models import causal_block_mask
+def _mask(args, model, positions):
+    """TorchTitan's own mask for these positions, or its causal mask alone (--mask); built uncompiled on
+    the CPU (--smoke)."""
+    from tests import titan_models
 
-    return causal_block_mask(args.batch, args.seq)
+    if args.smoke:
+        return (titan_models.document_block_mask(positions) if args.mask == "documents" else
+                titan_models.causal_block_mask(args.batch, args.seq))
+    if args.mask == "documents":
+        return model.get_attention_masks(positions)
+    from torchtitan.models.common.attention import create_attention_mask, get_causal_mask_mod
+
+    return create_attention_mask(get_causal_mask_mod(), args.batch, None, args.seq, args.seq, device=positions.device)
 
 
 def table(res: dict) -> str:
     a = res["args"]
     lines = [f"TorchTitan DeepSeek-V3, {a['layers']} blocks (dim {'7168' if not res['smoke'] else 'tiny'}, "
-             f"dense MLP {a['ffn']}), B{a['batch']} S{a['seq']}, compiled per block + FSDP2 bf16, {res['device']}",
+             f"dense MLP {a['ffn']}), B{a['batch']} S{a['seq']}, {a['mask']} mask, compiled per block + FSDP2 "
+             f"bf16, {res['device']}",
              f"  mxmla served {res['check']['served']} layers eagerly; fallbacks: {res['check']['fallbacks'] or 'none'}",
              f"  {'model':8} {'step ms':>9} {'vs stock':>9} {'step peak GiB':>14}"]
     t = res["timing"]

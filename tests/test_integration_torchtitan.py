@@ -610,3 +610,24 @@ def test_weights_adopt_makes_an_entry_current_for_new_storage():
     with pytest.raises(ValueError, match="entry"):
         dw.adopt(torch.randn(32, 64), entry)
     dw.invalidate(moved)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_then_compile_as_torchtitan_orders_them(policy):
+    """TorchTitan's parallelize order: activation checkpointing, then compile per block (fullgraph)."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.distributed.compile import apply_compile
+
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(), path="mxfp8")
+    plain, wrapped = tm.build(copy.deepcopy(cfg)), tm.build(copy.deepcopy(cfg))
+    (FullAC.Config() if policy == "full" else tt.MXMLASelectiveAC.Config()).build().apply(wrapped)
+    apply_compile(wrapped, compile_config=CompileConfig(enable=True, backend="aot_eager"), parallel_dims=_single_dims())
+    tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(8))
+    positions = torch.arange(S).repeat(B, 1)
+    mask = tm.causal_block_mask(B, S)
+    lp, gp = _grads(plain, tokens, positions, mask)
+    lw, gw = _grads(wrapped, tokens, positions, mask)
+    gw = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): g for n, g in gw.items()}
+    assert abs(lw.item() - lp.item()) <= 1e-5 * abs(lp.item())
+    assert all(_rel(gw[n], gp[n]) <= 1e-5 for n in gp)
