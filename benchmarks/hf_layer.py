@@ -15,9 +15,11 @@ init (HF's own init, initializer_range 0.02), bf16 weights. Layer 0 is dense
 DeepSeek-V3's 18432 dense / MoE layers, so that the attention, the part mxmla changes, is most of
 the layer's time. Input [B=1, S=4096, 7168] bf16 (--batch, --seq), cos / sin from HF's rotary
 embedding, mask None (sdpa: causal). One step is a training step of the layer: forward, backward
-(dL/dout a fixed random tensor; gradients of the input and of every weight), and an in-place update
-of every weight (p -= 1e-7 * grad, foreach; it bumps the weights' versions, so the mxfp8 path's
-eager weight cache re-quantizes q_b_proj every step as in training with one micro-batch per step).
+(dL/dout a fixed random tensor; gradients of the input and of every weight), and an optimizer step
+updating every weight in place (torch.optim.SGD, lr 1e-7, foreach: p -= 1e-7 * grad). The mxfp8 rows
+register that optimizer for the patched layer's weight copies (`patch_state(layer).refresh_after`), as
+a training loop does: each step re-quantizes q_b_proj's weight into the copies once, inside the timed
+step (the optimizer's step hook), and the forward (eager or compiled) reads them.
 Rows, timed in turns in one process: unpatched (HF's sdpa attention), mxfp8 and bf16 (patched),
 each eager and under torch.compile of the layer (`_compile` rows: fullgraph=True, --compile-backend,
 default inductor; the weight update stays eager), plus `_compile_ro` rows (mode="reduce-overhead",
@@ -58,7 +60,7 @@ VARIANTS = ("unpatched", "bf16", "mxfp8")
 # Layer timing rows: each path eager and compiled (the "_compile_ro" rows only with --reduce-overhead)
 LAYER_VARIANTS = ("unpatched", "unpatched_compile", "mxfp8", "mxfp8_compile", "bf16", "bf16_compile")
 REDUCE_OVERHEAD_VARIANTS = ("unpatched_compile_ro", "mxfp8_compile_ro", "bf16_compile_ro")
-UPDATE_LR = 1e-7  # the in-place update writes every weight; it barely moves them (bf16 weights ~0.02)
+UPDATE_LR = 1e-7  # the optimizer step writes every weight; it barely moves them (bf16 weights ~0.02)
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,11 +108,15 @@ def _config(smoke: bool, **kw):
     return config
 
 
-def _patch(module, variant, backend):
+def _patch(module, variant, backend, optimizer):
+    """module patched for the variant's path; `optimizer` (the one updating module's weights) refreshes
+    the mxfp8 path's weight copies after each of its steps, as a training loop registers it."""
     from dispatch.integrations.transformers import patch_deepseek_v3
 
     path = variant.split("_")[0]
-    return module if path == "unpatched" else patch_deepseek_v3(module, path=path, backend=backend)
+    if path == "unpatched":
+        return module
+    return patch_deepseek_v3(module, path=path, backend=backend, optimizer=optimizer if path == "mxfp8" else None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,10 +172,13 @@ def bench_layer(args, device) -> dict:
     grad_out = torch.randn(h.shape, generator=gen).to(device, dtype)
     position_ids = torch.arange(args.seq, device=device)[None]
     cos, sin = rotary(h, position_ids)
-    layers = {v: _patch(copy.deepcopy(base), v, args.backend) for v in variants}
+    layers, opts = {}, {}
+    for v in variants:
+        layer = copy.deepcopy(base)
+        opts[v] = torch.optim.SGD(layer.parameters(), lr=UPDATE_LR, foreach=True)
+        layers[v] = _patch(layer, v, args.backend, opts[v])
     del base
     calls = {v: _layer_call(layers[v], v, args) for v in variants}
-    params = {v: list(layers[v].parameters()) for v in variants}
     inputs = {v: h.clone().requires_grad_(True) for v in variants}
     first = {}  # each row's first output and input gradient, all weights still equal
 
@@ -181,11 +190,8 @@ def bench_layer(args, device) -> dict:
         out.backward(grad_out)
         if variant not in first:
             first[variant] = (out.detach().float(), x.grad.float())
-        ps = [p for p in params[variant] if p.grad is not None]
-        with torch.no_grad():
-            torch._foreach_add_(ps, [p.grad for p in ps], alpha=-UPDATE_LR)
-        for p in ps:
-            p.grad = None
+        opts[variant].step()  # mxfp8: its hook refreshes the weight copies (part of the step)
+        opts[variant].zero_grad(set_to_none=True)
         x.grad = None
 
     times = {v: [] for v in variants}
@@ -229,18 +235,20 @@ def bench_layer(args, device) -> dict:
     fallbacks = {v: dict(patch_state(layers[v]).fallbacks) for v in variants if not v.startswith("unpatched")}
     traced = {v: dict(patch_state(layers[v]).traced) for v in variants
               if not v.startswith("unpatched") and "_compile" in v}
+    # compiled traces that quantize q_b_proj's weight in the graph (0: they read the refreshed copies)
+    quantized_in_graph = {v: patch_state(layers[v]).quantized_in_graph for v in traced}
     med = {v: statistics.median(times[v]) for v in variants}
     return {
         "shape": {"batch": args.batch, "seq": args.seq, "hidden": config.hidden_size,
                   "heads": config.num_attention_heads, "q_lora_rank": config.q_lora_rank,
                   "kv_lora_rank": config.kv_lora_rank, "mlp": f"dense DeepseekV3MLP, intermediate {args.intermediate}",
                   "dtype": "bfloat16"},
-        "step": f"forward + backward + in-place weight update (lr {UPDATE_LR})",
+        "step": f"forward + backward + optimizer step (SGD lr {UPDATE_LR}; mxfp8: weight copies refreshed in it)",
         "compile_backend": args.compile_backend, "variants": list(variants), "errors": errors,
         "ms_median": med, "ms_all": times, "first_call_s": first_call_s, "peak_gib": peak,
         "speedup_vs_unpatched": {v: med["unpatched"] / med[v] for v in variants},
         "out_rel_err_vs_unpatched": rel, "input_grad_cosine_vs_unpatched": grad_cos, "fallbacks": fallbacks,
-        "traced": traced,
+        "traced": traced, "quantized_in_graph": quantized_in_graph,
     }
 
 
@@ -293,8 +301,8 @@ def train(args, device) -> dict:
     for variant in VARIANTS:
         torch.manual_seed(0)
         model = DeepseekV3ForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
-        model = _patch(model, variant, args.backend).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        model = _patch(model, variant, args.backend, opt).train()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20))
         losses = []
         t0 = time.perf_counter()

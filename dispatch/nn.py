@@ -227,11 +227,8 @@ class MLAQProjection(nn.Module):
 
     def refresh_weight_copies(self) -> None:
         """Quantize the weight into `weight_copies` now (path "mxfp8" with a plain, materialized weight)."""
-        w = self.weight
-        if (self.weight_copies is None or w.device.type == "meta" or not mxag.plain_classes((w,))
-                or self.weight_copies.row_codes.device != w.device):
-            return
-        self.weight_copies.refresh(w, self._rows())
+        if self.weight_copies is not None:
+            self.weight_copies.refresh_if_ready(self.weight, self._rows())
 
     def refresh_after(self, optimizer: torch.optim.Optimizer):
         """Refresh `weight_copies` after every `optimizer.step()`; returns the hook's handle (None on the

@@ -25,9 +25,10 @@ When a cached copy is stale (any of these differs from when it was made):
   torch.optim's for-each and single-tensor optimizers and `load_state_dict`);
 - `w.data_ptr()`, dtype, shape, strides, device (`.to()`, `.data = ...`, resharding);
 - the backend requested;
-- the optimizer generation: a global `torch.optim` step post-hook, registered when this module is
-  imported, marks every cached copy stale after any optimizer step. Fused optimizers
-  (`AdamW(fused=True)`) write parameters without bumping `_version`, so the version alone misses them.
+- the optimizer generation: a global `torch.optim` step pre-hook, registered when this module is
+  imported, marks every cached copy stale at any optimizer step (before the step, so that a copy made
+  by a step post-hook, `quantize_after_step` or `WeightCopies.refresh_after`, counts as made after
+  it). Fused optimizers (`AdamW(fused=True)`) write parameters without bumping `_version`, so the version alone misses them.
 Writes through `w.data` bypass the version counter (`w.data` is a new tensor with its own counter;
 `w.detach()` shares w's), so `w.data.copy_(...)` outside a torch.optim step -- e.g. an optimizer that
 is not a `torch.optim.Optimizer` copying main params into model params that way -- cannot be seen
@@ -61,7 +62,7 @@ from typing import Iterable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch as _dispatch
@@ -88,13 +89,19 @@ def optimizer_generation() -> int:
 _after_step: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _after_optimizer_step(optimizer, args, kwargs) -> None:
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    # before the step: torch runs an optimizer's own post-hooks before the global ones, so a bump there
+    # would mark stale what WeightCopies.refresh_after's hook had just made
     _generation[0] += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
     for weights, backend in list(_after_step.get(optimizer, {}).values()):
         for w, rows in weights:
             requantize(w, backend=backend, rows=rows)
 
 
+register_optimizer_step_pre_hook(_before_optimizer_step)
 register_optimizer_step_post_hook(_after_optimizer_step)
 
 
@@ -354,6 +361,16 @@ class WeightCopies(torch.nn.Module):
             self.col_scales_t.copy_(entry.col.scale.t())
         self._key, self.made = entry.key, True
         self.refreshes += 1
+
+    def refresh_if_ready(self, w: Tensor, rows: Optional[Tensor] = None) -> bool:
+        """Refresh from w when it can be quantized here: a plain tensor (not a DTensor), materialized
+        (not on the meta device) and on the copies' device; else leave the copies as they are. Returns
+        whether it refreshed. For an owner's construction, `.to()` and `load_state_dict` hooks."""
+        if (w.device.type == "meta" or type(w) not in (Tensor, torch.nn.Parameter)
+                or w.device != self.row_codes.device or tuple(w.shape) != tuple(self.row_codes.shape)):
+            return False
+        self.refresh(w, rows)
+        return True
 
     def refresh_after(self, optimizer: torch.optim.Optimizer, w: Tensor, rows: Optional[Tensor] = None):
         """Refresh from w after every `optimizer.step()` (a step post-hook); returns its handle."""

@@ -31,4 +31,6 @@ def test_hf_layer_smoke_runs_every_row(tmp_path):
     assert all(math.isfinite(layer["ms_median"][v]) and layer["ms_median"][v] > 0 for v in ROWS)
     assert all(not f for f in layer["fallbacks"].values()), layer["fallbacks"]
     assert layer["traced"] == {"mxfp8_compile": {"served": 1}, "bf16_compile": {"served": 1}}
+    # the optimizer refreshes the weight copies: the compiled graph reads them, never quantizes the weight
+    assert layer["quantized_in_graph"] == {"mxfp8_compile": 0, "bf16_compile": 0}
     assert all(layer["out_rel_err_vs_unpatched"][v] <= OUT_BOUND for v in ROWS)

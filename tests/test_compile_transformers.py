@@ -6,6 +6,9 @@ and as a whole model, on both paths, against the same patched model run eagerly.
 0 graph breaks, one frame per compiled module and no recompile after the first step
 (`error_on_recompile` from step 2 on), every layer traced through mxmla (`patch_state(model).traced`)
 with mxmla's custom ops in the captured graph, and no eager counter moved by the compiled calls.
+The mxfp8 path runs twice: with the optimizer registered for the weight copies (`refresh_after`; the
+graph reads the copies and holds no `mxfp8_quantize`: every MXFP8 operand comes from a fused op) and
+without (the graph quantizes q_b_proj's weight itself, one `mxfp8_quantize` per layer).
 
 Bounds against the eager patched model:
 - aot_eager: equal bytes, every loss and every gradient at every step. The compiled graph runs the
@@ -53,9 +56,12 @@ def _batch(step):
     return token_ids(seed=100 + step, batch=BATCH, seq=SEQ)
 
 
-def _train(model, call, on_step=None):
-    """STEPS AdamW steps; per step the loss and every gradient (cloned before the update)."""
+def _train(model, call, on_step=None, hooked=False):
+    """STEPS AdamW steps; per step the loss and every gradient (cloned before the update). hooked: the
+    optimizer refreshes the mxfp8 path's weight copies after each step (`refresh_after`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    if hooked:
+        patch_state(model).refresh_after(opt)
     record = []
     for step in range(STEPS):
         ids = _batch(step)
@@ -97,7 +103,7 @@ def _mxmla_ops(counter):
     return {str(n.target) for g in counter.graphs for n in g.graph.nodes if str(n.target).startswith("mxmla.")}
 
 
-def _train_compiled(path, scope, backend):
+def _train_compiled(path, scope, backend, hooked=False):
     model = patch_deepseek_v3(tiny_model().train(), path=path, backend="torch")
     call, counter = _compiled(model, scope, backend)
     frames = LAYERS if scope == "layer" else 1
@@ -108,23 +114,36 @@ def _train_compiled(path, scope, backend):
             torch._dynamo.config.error_on_recompile = True  # any later recompile raises
 
     with torch._dynamo.config.patch(error_on_recompile=False):
-        record = _train(model, call, after)
+        record = _train(model, call, after, hooked)
     assert counter.frame_count == frames
     assert not counters["graph_break"], dict(counters["graph_break"])
     state = patch_state(model)
     assert state.traced == {"served": LAYERS}, dict(state.traced)
     assert state.served == 0 and not state.fallbacks  # eager counters: untouched by compiled calls
-    want_ops = {"mxmla.mla_attention.default", "mxmla.rope.default"}
+    ops = _mxmla_ops(counter)
+    want_ops = {"mxmla.mla_attention.default"}
+    if path == "bf16":
+        want_ops |= {"mxmla.rope.default"}
+    elif hooked:  # the query path is one op reading the copies; k_pe's RoPE runs inside the kv op
+        want_ops |= {"mxmla.rmsnorm_mla_q.default", "mxmla.mla_kv_mxfp8.default"}
+        assert state.quantized_in_graph == 0
+    else:  # no optimizer refreshes the copies: the graph quantizes q_b_proj's weight itself
+        want_ops |= {"mxmla.mla_q_uproj_rope_quant.default", "mxmla.rmsnorm_mxfp8.default",
+                     "mxmla.mxfp8_quantize.default", "mxmla.mla_kv_mxfp8.default"}
+        assert state.quantized_in_graph == LAYERS
+    assert want_ops <= ops, ops
     if path == "mxfp8":
-        want_ops |= {"mxmla.mla_q_uproj_rope_quant.default", "mxmla.rmsnorm_mxfp8.default"}
-    assert want_ops <= _mxmla_ops(counter), _mxmla_ops(counter)
+        assert "mxmla.rope.default" not in ops, ops
+    if hooked:  # nothing in the graph quantizes a weight (q is the fused op's, k and v the kv op's)
+        assert "mxmla.mxfp8_quantize.default" not in ops, ops
     return record
 
 
 @pytest.mark.parametrize("scope", ["layer", "model"])
-@pytest.mark.parametrize("path", ["bf16", "mxfp8"])
-def test_aot_eager_fullgraph_equals_eager_bytes(path, scope):
-    got, want = _train_compiled(path, scope, "aot_eager"), _eager(path)
+@pytest.mark.parametrize("path, hooked", [("bf16", False), ("mxfp8", False), ("mxfp8", True)],
+                         ids=["bf16", "mxfp8", "mxfp8-copies"])
+def test_aot_eager_fullgraph_equals_eager_bytes(path, hooked, scope):
+    got, want = _train_compiled(path, scope, "aot_eager", hooked), _eager(path)
     for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(got, want)):
         assert torch.equal(loss, want_loss), f"step {step}: loss {float(loss)} vs eager {float(want_loss)}"
         assert grads.keys() == want_grads.keys()
@@ -134,7 +153,7 @@ def test_aot_eager_fullgraph_equals_eager_bytes(path, scope):
 
 @pytest.mark.parametrize("path, scope", [("mxfp8", "layer")])
 def test_inductor_fullgraph_within_rounding_of_eager(path, scope):
-    got, want = _train_compiled(path, scope, "inductor"), _eager(path)
+    got, want = _train_compiled(path, scope, "inductor", hooked=True), _eager(path)
     for step, ((loss, grads), (want_loss, want_grads)) in enumerate(zip(got, want)):
         assert abs(float(loss) - float(want_loss)) <= EPS[path] * float(want_loss), f"step {step}: loss"
         if step == 0:

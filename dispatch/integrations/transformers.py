@@ -10,15 +10,35 @@ other models are untouched) that computes what HF's forward computes, through `d
 
     c_q = q_a_proj(h)                                  HF module (q_lora_rank None: the input is h)
     q   = mla_q_projection(c_q, q_b_proj.weight, cos, sin, norm_weight=q_a_layernorm.weight, ...)
-          mxfp8: rmsnorm_mxfp8 -> fused up-projection + RoPE + MXFP8 quantize (weight quantized once per
-                 update, dispatch.weights); q_lora_rank None: mxfp8_quantize(h) -> the fused op on q_proj
+          mxfp8: rmsnorm_mxfp8 -> fused up-projection + RoPE + MXFP8 quantize, reading the weight's
+                 persistent MXFP8 copies (below; one autograd node in eager mode, one custom op under
+                 torch.compile); q_lora_rank None: mxfp8_quantize(h) -> the fused op on q_proj
           bf16:  RMSNorm -> bf16 GEMM -> rope
-    kv_nope, k_rot = split(kv_a_proj_with_mqa(h)); kv_nope = kv_a_layernorm(kv_nope)   HF modules
-    k_rot = rope(k_rot);  [k_nope | v] = kv_b_proj(kv_nope)                              HF module
-    o = mla_attention(q, [k_nope | k_rot], v, causal, softmax_scale=attn.scaling)
-          mxfp8: k MXFP8 along D, v along S (quantized from the model's dtype: mla_kv_mxfp8, k joined
-                 from codes with the shared k_rot's broadcast over heads); bf16: k, v in bf16
+    kv_nope, k_pe = split(kv_a_proj_with_mqa(h)); kv_nope = kv_a_layernorm(kv_nope)    HF modules
+    [k_nope | v] = kv_b_proj(kv_nope)                                                  HF module
+    k = [k_nope | rope(k_pe)]
+    o = mla_attention(q, k, v, causal, softmax_scale=attn.scaling)
+          mxfp8: k MXFP8 along D, v along S, quantized from the model's dtype by one mla_kv_mxfp8 op
+                 (k joined from codes with the shared k_pe broadcast over heads); with the mla RoPE
+                 style, no cache and cos / sin shared by the batch (HF's default [1, S, 64]) k_pe's RoPE
+                 runs inside that op too, else a rope op first; bf16: rope, k and v in bf16
     out = o_proj(o)                                    HF module, o cast to the model's dtype
+
+Weight copies (mxfp8 path): each patched attention module gets a submodule `mxmla_q_weight_copies`
+(`dispatch.weights.WeightCopies`: non-persistent uint8 buffers, not in the state dict) holding the
+MXFP8 copies of q_b_proj's weight (q_proj's when q_lora_rank is None), made at patch time and
+refreshed in place: after `.to()` and `load_state_dict` (of any module holding the layer), after
+every step of an optimizer registered with `patch_state(model).refresh_after(optimizer)` (or
+`patch_deepseek_v3(..., optimizer=optimizer)`), once per step however many forwards it has, and, in
+eager mode, before any forward that finds the weight changed since (dispatch.weights' staleness rules:
+version counter, storage, any torch.optim step, ...). A compiled graph reads the buffers as inputs and
+never quantizes the weight -- while an optimizer is registered. Without one a compiled forward could
+not see a weight update (no Python check runs inside the graph), so it quantizes the weight in the
+graph instead, every forward (correct, slower), and says so once in the log
+(`patch_state(model).quantized_in_graph` counts those traces); registering an optimizer later
+recompiles once. After any other write to a query weight under compile (an edit outside the
+optimizer, `.data` assignments) call `patch_state(model).refresh_weight_copies()`. A DTensor weight
+(tensor parallelism, FSDP2) is quantized per call as before, the copies unused.
 
 Mapping of HF's conventions:
 - RoPE: HF's cos / sin (`position_embeddings`, per token, from position_ids, offsets and the rope type's
@@ -75,6 +95,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -84,7 +105,8 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch.autograd as mxag
-from dispatch.nn import PATHS, MLAAttention, mla_q_projection
+from dispatch.nn import PATHS, MLAAttention, mla_q_projection, neox_rows
+from dispatch.weights import WeightCopies
 
 try:  # the optional extra `.[hf]`
     from transformers import cache_utils as _hf_cache
@@ -96,7 +118,7 @@ except ImportError as _error:  # pragma: no cover - exercised only without trans
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "patch_state", "PatchState"]
+__all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "patch_state", "PatchState", "RefreshHandle"]
 
 log = logging.getLogger("mxmla.integrations")
 
@@ -119,8 +141,11 @@ class PatchState:
     served: int = 0
     traced: Counter = field(default_factory=Counter)
     hooks: List[Any] = field(default_factory=list)  # handles of the DeepseekV3Model pre-hooks
+    optimizer_hooks: int = 0  # live `refresh_after` registrations (the copies are then fresh under compile)
+    quantized_in_graph: int = 0  # traces that quantize the query weight in the graph (no refresh_after)
     _logged: set = field(default_factory=set)
     _trace_marker: Any = field(init=False, repr=False, compare=False)
+    _copies_marker: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # called with constants only, so that any torch version's dynamo can run it while tracing
@@ -129,10 +154,37 @@ class PatchState:
             self.note_trace(layer_idx, reason)
             return True
 
-        self._trace_marker = note_trace
+        @torch._dynamo.assume_constant_result
+        def note_unhooked(layer_idx: Optional[int]) -> bool:
+            self.note_unhooked(layer_idx)
+            return True
 
-    def __getstate__(self) -> dict:  # a copy (deepcopy of a patched model) gets a marker of its own
-        return {k: v for k, v in self.__dict__.items() if k != "_trace_marker"}
+        self._trace_marker, self._copies_marker = note_trace, note_unhooked
+
+    def __getstate__(self) -> dict:  # a copy (deepcopy of a patched model) gets markers of its own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_trace_marker", "_copies_marker")}
+
+    @property
+    def weight_copies(self) -> List[WeightCopies]:
+        """The persistent MXFP8 copies of each patched layer's query up-projection weight (mxfp8 path; in
+        the order of `modules`; empty on the bf16 path)."""
+        return [c for c in (getattr(m, _COPIES_ATTR, None) for m in self.modules) if c is not None]
+
+    def refresh_after(self, optimizer: torch.optim.Optimizer) -> "RefreshHandle":
+        """Refresh every layer's weight copies after each `optimizer.step()` (a step post-hook), so that
+        a compiled forward reads the copies instead of quantizing the weight in its graph. Returns a
+        handle; `remove()` undoes it. Pass the optimizer that updates the query weights."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        handles = [copies.hook_after(optimizer) for copies in self.weight_copies]
+        self.optimizer_hooks += 1
+        return RefreshHandle(self, handles)
+
+    def refresh_weight_copies(self) -> None:
+        """Quantize every layer's query weight into its copies now (after a write to the weights outside
+        an optimizer registered with `refresh_after`, `load_state_dict` and `.to()`)."""
+        for copies in self.weight_copies:
+            copies.refresh_now()
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -156,6 +208,17 @@ class PatchState:
         if reason is not None:
             self._log(layer_idx, f"{reason} (under torch.compile, decided when traced)")
 
+    def note_unhooked(self, layer_idx: Optional[int]) -> None:
+        """A trace of the mxfp8 path with no `refresh_after` optimizer: the graph quantizes the query
+        weight itself (dynamo runs this while tracing)."""
+        self.quantized_in_graph += 1
+        message = ("the compiled graph quantizes q_b_proj's weight in every forward: no optimizer registered "
+                   "for its persistent MXFP8 copies (patch_state(model).refresh_after(optimizer), or "
+                   "patch_deepseek_v3(..., optimizer=optimizer))")
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning("mxmla mxfp8 path, DeepseekV3Attention layer %s: %s (logged once)", layer_idx, message)
+
     def fall_back(self, module: nn.Module, reason: str) -> None:
         self.fallbacks[reason] += 1
         self._log(getattr(module, "layer_idx", "?"), reason)
@@ -169,6 +232,65 @@ class PatchState:
             log.debug("layer %s falls back: %s", layer_idx, reason)
 
 
+class RefreshHandle:
+    """What `PatchState.refresh_after` returns: `remove()` removes its step hooks."""
+
+    def __init__(self, state: PatchState, handles: list):
+        self._state, self._handles = state, handles
+
+    def remove(self) -> None:
+        if self._handles is None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = None
+        self._state.optimizer_hooks -= 1
+
+
+class _QueryWeightCopies(WeightCopies):
+    """The persistent MXFP8 copies of a patched layer's query up-projection weight (q_b_proj's, or
+    q_proj's when q_lora_rank is None), a submodule of the attention module: its buffers follow the
+    module through `.to()`, and it refreshes them from the projection's current weight after `.to()`
+    (registered after the projection, so the weight has moved by then) and after `load_state_dict` of
+    any module holding it. Non-persistent buffers: the state dict is HF's."""
+
+    def __init__(self, attn: nn.Module, backend: Optional[str]):
+        proj = attn.q_b_proj if attn.q_lora_rank is not None else attn.q_proj
+        super().__init__(proj.weight.shape, backend=backend, device=proj.weight.device)
+        object.__setattr__(self, "_proj", proj)  # read, not owned: no submodule, no second state-dict entry
+        self.neox = not attn.config.rope_interleave
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_now())
+        self.refresh_now()
+
+    @property
+    def weight(self) -> Tensor:
+        return self._proj.weight
+
+    def rows(self) -> Optional[Tensor]:
+        w = self.weight
+        return neox_rows(w.shape[0] // (NOPE_DIM + ROPE_DIM), w.device) if self.neox else None
+
+    def refresh_now(self) -> None:
+        self.refresh_if_ready(self.weight, self.rows())
+
+    def hook_after(self, optimizer: torch.optim.Optimizer):
+        """A step post-hook on `optimizer` refreshing the copies from the projection's weight as it is
+        then (a weight replaced since, e.g. by load_state_dict(assign=True), is the one read)."""
+        ref = weakref.ref(self)
+
+        def hook(_optimizer, _args, _kwargs):
+            copies = ref()
+            if copies is not None:
+                copies.refresh_now()
+
+        return optimizer.register_step_post_hook(hook)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.refresh_now()  # .to(dtype) may change the weight's bf16 values, .to(device) its device
+        return out
+
+
 @dataclass
 class _ModuleState:
     patch: PatchState
@@ -178,6 +300,7 @@ class _ModuleState:
 
 _STATE_ATTR = "_mxmla_state"
 _PATCH_ATTR = "_mxmla_patch"
+_COPIES_ATTR = "mxmla_q_weight_copies"  # the submodule holding the query weight's MXFP8 copies (mxfp8)
 
 
 def _require_transformers() -> None:
@@ -214,14 +337,19 @@ def _check_module(attn: nn.Module, path: str) -> None:
 
 
 def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[str] = None, *,
-                      quantize_grad: bool = True) -> nn.Module:
+                      quantize_grad: bool = True, optimizer: Optional[torch.optim.Optimizer] = None) -> nn.Module:
     """Route every DeepseekV3Attention of `model` through mxmla (module docstring) and return `model`.
 
     path: "mxfp8" | "bf16". backend: for every mxmla op (None: MXMLA_BACKEND or the automatic choice).
-    quantize_grad: the fused Q op's MXFP8 backward (mxfp8 path). Undo with `unpatch_deepseek_v3`."""
+    quantize_grad: the fused Q op's MXFP8 backward (mxfp8 path). optimizer: the optimizer that updates
+    the model's weights, for the mxfp8 path's query weight copies (the same as calling
+    `patch_state(model).refresh_after(optimizer)` later; see "Weight copies" in the module docstring).
+    Undo with `unpatch_deepseek_v3`."""
     _require_transformers()
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if getattr(model, _PATCH_ATTR, None) is not None:
@@ -243,10 +371,14 @@ def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[s
         original = type(attn).forward.__get__(attn)
         attention = MLAAttention(causal=True, softmax_scale=attn.scaling, layout="bshd", path=path, backend=backend)
         setattr(attn, _STATE_ATTR, _ModuleState(state, original, attention))
+        if path == "mxfp8":
+            setattr(attn, _COPIES_ATTR, _QueryWeightCopies(attn, backend))
         attn.forward = types.MethodType(_patched_forward, attn)
     state.hooks = [m.register_forward_pre_hook(_mark_plain_causal, with_kwargs=True)
                    for m in model.modules() if isinstance(m, _hf_deepseek.DeepseekV3Model)]
     setattr(model, _PATCH_ATTR, state)
+    if optimizer is not None and path == "mxfp8":
+        state.refresh_after(optimizer)
     return model
 
 
@@ -258,6 +390,7 @@ def unpatch_deepseek_v3(model: nn.Module) -> nn.Module:
     for attn in state.modules:
         attn.__dict__.pop("forward", None)
         attn.__dict__.pop(_STATE_ATTR, None)
+        attn._modules.pop(_COPIES_ATTR, None)
     for hook in state.hooks:
         hook.remove()
     delattr(model, _PATCH_ATTR)
@@ -397,32 +530,65 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
         x, weight = self.q_a_proj(hidden_states), self.q_b_proj.weight
         norm_weight, eps = self.q_a_layernorm.weight, self.q_a_layernorm.variance_epsilon
     q = mla_q_projection(x, weight, cos, sin, norm_weight=norm_weight, eps=eps, path=patch.path, rope_style=style,
-                         quantize_grad=patch.quantize_grad, backend=patch.backend)      # [B, S, H, 192]
+                         quantize_grad=patch.quantize_grad, backend=patch.backend,
+                         weight_copies=_weight_copies(self, patch))                            # [B, S, H, 192]
 
     compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-    kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, ROPE_DIM], dim=-1)
+    kv_nope, k_pe = torch.split(compressed_kv, [self.kv_lora_rank, ROPE_DIM], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope)                                                    # [B, S, kv_lora]
-    cos_t = cos.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
-    sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM).to(cos_t.dtype)
-    if cos_t.dtype == torch.float16:
-        cos_t, sin_t = cos_t.float(), sin_t.float()
-    k_rot = mxag.rope(k_rot.reshape(tokens, 1, ROPE_DIM), cos_t, sin_t, style=style, layout="thd",
-                      backend=patch.backend)                                                  # [T, 1, 64]
-    if cache is not None:  # an empty DynamicCache layer (checked): store the latents as HF does
-        cache.update(kv_nope.view(batch, 1, seq, self.kv_lora_rank), k_rot.view(batch, 1, seq, ROPE_DIM),
-                     self.layer_idx)
-
     # heads from the tensors, as HF's views do (-1): a tensor-parallel shard holds fewer than num_heads
     kv = self.kv_b_proj(kv_nope).view(batch, seq, -1, NOPE_DIM + V_DIM)
     heads = kv.shape[2]
     k_nope, v = kv[..., :NOPE_DIM], kv[..., NOPE_DIM:]
-    k_rot = k_rot.view(batch, seq, 1, ROPE_DIM)
-    if patch.path == "mxfp8" and k_rot.dtype == k_nope.dtype:
-        # k along D, v along S, from the slices and the shared k_rot: the bytes of quantizing the concatenation
-        k, v = mxag.mla_kv_mxfp8(k_nope, k_rot, v, layout="bshd", backend=patch.backend)
+    k_pe = k_pe.view(batch, seq, 1, ROPE_DIM)
+    mx_kv = patch.path == "mxfp8" and k_pe.dtype == k_nope.dtype
+    tables = _shared_tables(cos, sin, batch, seq) if mx_kv and style == "mla" and cache is None else None
+    if tables is not None:
+        # k = [k_nope | rope(k_pe)] along D and v along S in one op, k_pe rotated inside it (as the block
+        # does): the bytes and gradients of rope followed by the op, without the rope launch
+        k, v = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout="bshd", cos=tables[0], sin=tables[1], backend=patch.backend)
     else:
-        k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, ROPE_DIM)], dim=-1)            # [B, S, H, 192]
+        cos_t = cos.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
+        sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM).to(cos_t.dtype)
+        if cos_t.dtype == torch.float16:
+            cos_t, sin_t = cos_t.float(), sin_t.float()
+        k_rot = mxag.rope(k_pe.reshape(tokens, 1, ROPE_DIM), cos_t, sin_t, style=style, layout="thd",
+                          backend=patch.backend).view(batch, seq, 1, ROPE_DIM)
+        if cache is not None:  # an empty DynamicCache layer (checked): store the latents as HF does
+            cache.update(kv_nope.view(batch, 1, seq, self.kv_lora_rank), k_rot.view(batch, 1, seq, ROPE_DIM),
+                         self.layer_idx)
+        if mx_kv:
+            # k along D, v along S, from the slices and the shared k_rot: the bytes of quantizing the concatenation
+            k, v = mxag.mla_kv_mxfp8(k_nope, k_rot, v, layout="bshd", backend=patch.backend)
+        else:
+            k = torch.cat([k_nope, k_rot.expand(batch, seq, heads, ROPE_DIM)], dim=-1)        # [B, S, H, 192]
     # attn.scaling read per call, as HF's forward does (a float: a constant of a compiled graph)
     o, _ = st.attention(q, k, v, causal=causal, softmax_scale=float(self.scaling))            # [B, S, H, 128]
     out = self.o_proj(o.reshape(batch, seq, heads * V_DIM).to(hidden_states.dtype))
     return out, None
+
+
+def _weight_copies(attn, patch: PatchState) -> Optional[WeightCopies]:
+    """The query weight's persistent copies for this call (mxfp8 path), or None: the weight is then
+    quantized per call (eager: through dispatch.weights' cache; compiled: in the graph). Eager calls use
+    them whenever they exist (refreshed first when the weight changed); a compiled graph reads them as
+    they are, so it uses them only while an optimizer refreshes them after its steps."""
+    copies = getattr(attn, _COPIES_ATTR, None)
+    if copies is None or not torch.compiler.is_compiling() or patch.optimizer_hooks:
+        return copies
+    patch._copies_marker(getattr(attn, "layer_idx", None))
+    return None
+
+
+def _shared_tables(cos: Tensor, sin: Tensor, batch: int, seq: int):
+    """HF's per-token cos / sin [1 | B, S, 64] as [S, 64] tables indexed by sequence position, which
+    the kv op takes, when every sequence of the batch has the same rows ([1, S, 64]: position ids
+    shared by the batch, HF's default; or a batch of one); else None."""
+    if cos.dim() != 3 or tuple(cos.shape[1:]) != (seq, ROPE_DIM) or cos.shape != sin.shape:
+        return None
+    if cos.shape[0] != 1 and batch != 1:
+        return None
+    cos_t, sin_t = cos[0], sin[0].to(cos.dtype)
+    if cos_t.dtype == torch.float16:
+        cos_t, sin_t = cos_t.float(), sin_t.float()  # exact widening: the op takes float32 / bfloat16 tables
+    return cos_t, sin_t
