@@ -210,6 +210,31 @@ def test_a_call_several_workloads_make_opens_none(gpu_lists, monkeypatch):
     assert log == []
 
 
+def test_a_call_of_one_path_opens_that_paths_whole_family(gpu_lists, monkeypatch):
+    """Workloads named "<model> <path> <shape>" form one family per path. A launch that is no recorded
+    workload's first (a model never recorded, e.g. another DeepSeek-V3-head-dims attention) opens the
+    family as soon as it matches any launch only that family makes: every model and shape of the path,
+    not the other path's; a call both paths make opens none."""
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    write({"mla_block mxfp8 B1S4096": [_entry("norm32", args=_n(1)), _entry("q", args=_n(2)), _entry("kbwd", args=_n(3))],
+           "mla_block mxfp8 B1S16384": [_entry("norm32", args=_n(1)), _entry("q", args=_n(2)), _entry("x", args=_n(4))],
+           "hf_attention mxfp8 B1S4096": [_entry("norm16", args=_n(5)), _entry("q", args=_n(2))],
+           "mla_block bf16 B1S4096": [_entry("r", args=_n(6)), _entry("kbwd", args=_n(3))]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    assert compile_ahead.family("mla_block mxfp8 B1S4096") == compile_ahead.family("hf_attention mxfp8 B1S4096")
+    compile_ahead.before_compile(None, ("norm_other",), {})  # an unrecorded workload's first launch
+    compile_ahead.before_compile(None, ("kbwd",), {})  # both paths make it: nothing opens
+    compile_ahead.wait()
+    assert log == []
+    compile_ahead.before_compile(None, ("q",), {})  # the mxfp8 workloads make it (no first launch)
+    compile_ahead.wait()
+    assert sorted(a[1] for a, _ in log) == [1, 2, 3, 4, 5]  # every mxfp8 compilation, once; not bf16's 6
+    compile_ahead.before_compile(None, ("r",), {})  # the bf16 block's first launch opens its family
+    compile_ahead.wait()
+    assert sorted(a[1] for a, _ in log) == [1, 2, 3, 4, 5, 6]
+
+
 def test_launch_waits_for_its_pending_compile(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)

@@ -9,7 +9,8 @@ runs in the forward), are refreshed once per step in place (same buffers), follo
 `load_state_dict`, stay out of the state dict, go with `unpatch_deepseek_v3`; without an optimizer
 registered a compiled graph quantizes the weight itself (and logs it once) rather than read copies
 it cannot know are fresh. tests/test_compile_transformers.py compares the compiled losses and gradients
-with eager mode's.
+with eager mode's. Also: k_pe rotated inside the kv op (the same bytes as rope then the op), and the
+float32 tables the patch widens HF's cos / sin to giving the bytes of the bf16 ones.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import dispatch  # noqa: E402
+import dispatch.autograd as mxag  # noqa: E402
+from dispatch.nn import mla_q_projection  # noqa: E402
 from dispatch.integrations.transformers import patch_deepseek_v3, patch_state, unpatch_deepseek_v3  # noqa: E402
 from dispatch.weights import MXFP8Weight  # noqa: E402
 from tests.test_integration_transformers import _loss, logits, patched, tiny_model, token_ids  # noqa: E402
@@ -206,3 +209,27 @@ def test_k_pe_rotated_inside_the_kv_op(monkeypatch):
         unfused = logits(model, ids, position_ids=positions)
         assert ("mla_kv_quantize", False) in ops and any(op == "rope" for op, _ in ops)
     assert_bytes_equal(fused, unfused, "logits")
+
+
+def test_float32_tables_give_the_bytes_of_bf16_tables():
+    """The patch widens HF's cos / sin to float32 (the block's tables, so the two share compiled kernels):
+    the query path, the kv op (k_pe rotated inside) and rope, forward and backward, give the same
+    bytes from the widened tables as from HF's bf16 ones (mxmla rotates in fp32 either way)."""
+    gen = torch.Generator().manual_seed(7)
+    angles = torch.rand(64, 64, generator=gen, dtype=torch.float64) * 40
+    c16, s16 = angles.cos().bfloat16(), angles.sin().bfloat16()
+    x = torch.randn(64, 64, generator=gen).bfloat16()
+    w = (torch.randn(2 * 192, 64, generator=gen) * 0.1).bfloat16()
+    gamma = (torch.rand(64, generator=gen) + 0.5).bfloat16()
+    kv = torch.randn(1, 64, 2, 256, generator=gen).bfloat16()
+    k_pe = torch.randn(1, 64, 1, 64, generator=gen).bfloat16()
+    outs = []
+    for cos, sin in ((c16, s16), (c16.float(), s16.float())):
+        pe = k_pe.clone().requires_grad_(True)
+        q = mla_q_projection(x, w, cos, sin, norm_weight=gamma, backend="torch")
+        k, v = mxag.mla_kv_mxfp8(kv[..., :128], pe, kv[..., 128:], layout="bshd", cos=cos, sin=sin, backend="torch")
+        r = mxag.rope(pe, cos, sin, layout="bshd", backend="torch")
+        r.backward(torch.ones_like(r))
+        outs.append([q.data, q.scale, k.data, k.scale, v.data, v.scale, r, pe.grad])
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert_bytes_equal(_bits(b), _bits(a), f"output {i}")

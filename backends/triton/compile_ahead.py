@@ -21,10 +21,13 @@ every token count, head count and q_lora rank of the DeepSeek-V3 head dims. What
 shape (a tile the heuristic picks per shape class, a constexpr the kernel takes from a dimension) is
 covered by recording the workload at a few shapes: a fresh process compiles the union.
 
-In a later process, the first launch that opens a workload (matches its first recorded launch) hands
-every distinct compilation of that workload at all its recorded shapes to background threads, each
-compiled with Triton's `warmup` (compiled and loaded, nothing launched) for the launching thread's
-device; a launch whose call has compilations pending waits for them instead of compiling again.
+In a later process, the first launch that opens a workload family (one path's workloads, every model
+and shape recorded on it: a launch matching their first recorded launch, or any launch that only that
+family makes) hands every distinct compilation of the family to background threads, each compiled
+with Triton's `warmup` (compiled and loaded, nothing launched) for the launching thread's device; a
+launch whose call has compilations pending waits for them instead of compiling again. A workload
+never recorded (another model on the same path) so gets the kernels it shares with the recorded ones
+compiled ahead from its first launch that matches one of them.
 
 A list only says what to compile: a launch that matches nothing compiles as it always did, a recorded
 entry that no longer fits its kernel (another signature) is skipped, a failed background compilation
@@ -360,10 +363,13 @@ def before_compile(kernel, args, kwargs) -> None:
     """fast_launch's hook before a launch it has not resolved yet (the one that compiles): start the
     workloads it opens, then wait for the background compilations of its call's class, if any.
 
-    A launch opens the workloads whose first recorded launch it matches (the one path's workloads at
-    every recorded shape: their union is compiled, each distinct compilation once), else the one
-    workload that makes its call; a call several workloads make without opening them (the bf16 and
-    MXFP8 blocks' k RoPE backward) opens none."""
+    A launch opens a whole family of workloads (`family`: one path's, every model and shape recorded
+    on it; their union is compiled, each distinct compilation once): the families of the workloads
+    whose first recorded launch it matches, else the one family whose workloads make its call. So the
+    first launch of a workload that was never recorded starts its path's recorded kernels as soon as
+    one of its launches matches one of theirs (the kernels it shares with them are then compiled
+    ahead; the others as they launch). A call workloads of several families make without opening
+    them (the bf16 and MXFP8 blocks' k RoPE backward) opens none."""
     if not enabled() or not torch.cuda.is_available():
         return
     call = call_signature(kernel, args, kwargs)
@@ -373,13 +379,22 @@ def before_compile(kernel, args, kwargs) -> None:
     lists = _arch_lists(arch(index))
     if lists is not None:
         names = lists["openers"].get(call) or lists["index"].get(call, ())
-        if len(names) == 1 or call in lists["openers"]:
-            _start(index, lists, names, call)
+        families = {family(n) for n in names}
+        if len(families) == 1 or call in lists["openers"]:
+            _start(index, lists, [n for n in lists["workloads"] if family(n) in families], call)
     for future in _pending.get((index, call), ()):
         try:
             future.result()
         except Exception:  # noqa: BLE001 - the launch compiles for itself and raises there
             pass
+
+
+def family(workload: str) -> str:
+    """The family a workload's name puts it in: its path, the second word of tools/record_pretuned.py's
+    "<model> <path> <shape>" names ("mla_block mxfp8 B1S4096" and "hf_attention mxfp8 B1S4096" are both
+    "mxfp8"); a name of another form is a family of its own."""
+    words = workload.split()
+    return words[1] if len(words) == 3 else workload
 
 
 def _start(index: int, lists: dict, names, call: str) -> None:

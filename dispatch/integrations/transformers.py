@@ -522,7 +522,10 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
     batch, seq = hidden_states.shape[:2]
     tokens = batch * seq
     style = "mla" if self.config.rope_interleave else "neox"
-    cos, sin = position_embeddings
+    # float32 tables, as the example block's: the same values (a bf16 / fp16 table widens exactly, and
+    # mxmla rotates in fp32 either way), and the same kernel specializations as the block's, so that
+    # the kernels compiled (or compiled ahead, backends/triton/compile_ahead.py) for one serve the other
+    cos, sin = position_embeddings[0].float(), position_embeddings[1].float()
 
     if self.q_lora_rank is None:
         x, weight, norm_weight, eps = hidden_states, self.q_proj.weight, None, 0.0
@@ -549,9 +552,7 @@ def _patched_forward(self, hidden_states: Tensor, position_embeddings=None, atte
         k, v = mxag.mla_kv_mxfp8(k_nope, k_pe, v, layout="bshd", cos=tables[0], sin=tables[1], backend=patch.backend)
     else:
         cos_t = cos.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
-        sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM).to(cos_t.dtype)
-        if cos_t.dtype == torch.float16:
-            cos_t, sin_t = cos_t.float(), sin_t.float()
+        sin_t = sin.expand(batch, seq, ROPE_DIM).reshape(tokens, ROPE_DIM)
         k_rot = mxag.rope(k_pe.reshape(tokens, 1, ROPE_DIM), cos_t, sin_t, style=style, layout="thd",
                           backend=patch.backend).view(batch, seq, 1, ROPE_DIM)
         if cache is not None:  # an empty DynamicCache layer (checked): store the latents as HF does
@@ -588,7 +589,4 @@ def _shared_tables(cos: Tensor, sin: Tensor, batch: int, seq: int):
         return None
     if cos.shape[0] != 1 and batch != 1:
         return None
-    cos_t, sin_t = cos[0], sin[0].to(cos.dtype)
-    if cos_t.dtype == torch.float16:
-        cos_t, sin_t = cos_t.float(), sin_t.float()  # exact widening: the op takes float32 / bfloat16 tables
-    return cos_t, sin_t
+    return cos[0], sin[0]
