@@ -955,17 +955,19 @@ def _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend):
     return kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8), vq.scale
 
 
-def _kv_grads(dk, dv, cos, sin, layout, pe_heads, dtypes, backend):
+def _kv_grads(dk, dv, cos, sin, layout, pe_shared, dtypes, backend):
     """(dk_nope, dk_pe, dv) from the gradients of k's and v's proxies (either may be None): the
-    composition's -- slices, the sum over heads that expand's backward takes for a shared k_pe, casts to
-    the inputs' dtypes, and the rope op's own backward when the op rotated k_pe."""
+    composition's -- slices, the sum over heads that expand's backward takes for a shared k_pe
+    (`pe_shared`: k_pe has one head and k_nope more; a flag, not a head count, so that it holds on a
+    rank's head shard too, where the sum is that rank's share), casts to the inputs' dtypes, and the
+    rope op's own backward when the op rotated k_pe."""
     nope_dtype, pe_dtype, v_dtype = dtypes
     dk_nope = dk_pe = None
     if dk is not None:
         head = mla_kv_axes(layout)[1]
         dk_nope = dk[..., :_NOPE_DIM].to(nope_dtype)
         dk_pe = dk[..., _NOPE_DIM:]
-        if pe_heads != dk.shape[head]:
+        if pe_shared:
             dk_pe = dk_pe.sum(head, keepdim=True)
         dk_pe = dk_pe.to(pe_dtype)
         if cos is not None:
@@ -973,6 +975,11 @@ def _kv_grads(dk, dv, cos, sin, layout, pe_heads, dtypes, backend):
             dk_pe = _run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=layout,
                          out_dtype=_DTYPE_NAMES[pe_dtype], backend=backend)
     return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype)
+
+
+def _kv_pe_shared(k_nope, k_pe, head) -> bool:
+    """Whether one k_pe head serves every head of k_nope (its gradient sums over them)."""
+    return bool(k_pe.shape[head] != k_nope.shape[head])
 
 
 def _kv_proxies(k_nope, v, proxy):
@@ -989,7 +996,7 @@ class _KVQuant(torch.autograd.Function):
         k_data, k_scale, v_data, v_scale = _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend)
         ctx.mark_non_differentiable(k_data, k_scale, v_data, v_scale)
         ctx.set_materialize_grads(False)
-        ctx.pe_heads, ctx.dtypes = k_pe.shape[head], (k_nope.dtype, k_pe.dtype, v.dtype)
+        ctx.pe_shared, ctx.dtypes = _kv_pe_shared(k_nope, k_pe, head), (k_nope.dtype, k_pe.dtype, v.dtype)
         ctx.layout, ctx.backend = layout, backend
         ctx.save_for_backward(cos, sin)
         k_proxy, v_proxy = _kv_proxies(k_nope, v, shared_grad_proxy)
@@ -998,7 +1005,7 @@ class _KVQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
         cos, sin = ctx.saved_tensors
-        grads = _kv_grads(dk, dv, cos, sin, ctx.layout, ctx.pe_heads, ctx.dtypes, ctx.backend)
+        grads = _kv_grads(dk, dv, cos, sin, ctx.layout, ctx.pe_shared, ctx.dtypes, ctx.backend)
         return (*grads, None, None, None, None, None)
 
 
@@ -1028,11 +1035,11 @@ def _(k_nope, k_pe, v, cos, sin, layout, backend):
 
 @torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8_backward", mutates_args=())
 def _kv_backward_op(dk: Optional[Tensor], dv: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
-                    layout: str, pe_heads: int, nope_dtype: str, pe_dtype: str, v_dtype: str,
+                    layout: str, pe_shared: bool, nope_dtype: str, pe_dtype: str, v_dtype: str,
                     backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dk_nope, dk_pe, dv); an empty tensor stands for the gradient of a None dk / dv."""
     dtypes = tuple(_TORCH_DTYPES[d] for d in (nope_dtype, pe_dtype, v_dtype))
-    grads = _kv_grads(dk, dv, cos, sin, layout, pe_heads, dtypes, backend)
+    grads = _kv_grads(dk, dv, cos, sin, layout, pe_shared, dtypes, backend)
     like = dk if dk is not None else dv
     inputs = {t.untyped_storage().data_ptr() for t in (dk, dv) if t is not None}
     # a custom op's outputs may not alias its inputs (dv.to(its own dtype) is dv)
@@ -1041,7 +1048,7 @@ def _kv_backward_op(dk: Optional[Tensor], dv: Optional[Tensor], cos: Optional[Te
 
 
 @_kv_backward_op.register_fake
-def _(dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend):
+def _(dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend):
     like = dk if dk is not None else dv
     if dk is None:
         nope, pe = like.new_empty(0), like.new_empty(0)
@@ -1049,7 +1056,7 @@ def _(dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend
         head = mla_kv_axes(layout)[1]
         lead = list(dk.shape[:-1])
         nope = dk.new_empty(tuple(lead) + (_NOPE_DIM,), dtype=_TORCH_DTYPES[nope_dtype])
-        lead[head] = pe_heads
+        lead[head] = 1 if pe_shared else lead[head]
         pe = dk.new_empty(tuple(lead) + (MLA_ROPE_DIM,), dtype=_TORCH_DTYPES[pe_dtype])
     return nope, pe, like.new_empty(0) if dv is None else dv.new_empty(dv.shape, dtype=_TORCH_DTYPES[v_dtype])
 
@@ -1060,7 +1067,7 @@ def _kv_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     head = mla_kv_axes(layout)[1]
     ctx.save_for_backward(cos, sin)
-    ctx.options = (layout, int(k_pe.shape[head]), _DTYPE_NAMES[k_nope.dtype], _DTYPE_NAMES[k_pe.dtype],
+    ctx.options = (layout, _kv_pe_shared(k_nope, k_pe, head), _DTYPE_NAMES[k_nope.dtype], _DTYPE_NAMES[k_pe.dtype],
                    _DTYPE_NAMES[v.dtype], backend)
     ctx.pe_shape = tuple(k_pe.shape)
 
@@ -1069,12 +1076,12 @@ def _kv_backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
     if dk is None and dv is None:
         return (None,) * 7
     cos, sin = ctx.saved_tensors
-    layout, pe_heads, nope_dtype, pe_dtype, v_dtype, backend = ctx.options
+    layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend = ctx.options
     if cos is not None and dk is not None:
         pe = _resolution.stand_in(ctx.pe_shape, _TORCH_DTYPES[pe_dtype], dk.device)
         backend = _backward_choice(backend, "rope_backward", pe, cos, sin, style="mla", layout=layout,
                                    out_dtype=pe_dtype)
-    dk_nope, dk_pe, dv_in = _call(_kv_backward_op, dk, dv, cos, sin, layout, pe_heads, nope_dtype, pe_dtype, v_dtype,
+    dk_nope, dk_pe, dv_in = _call(_kv_backward_op, dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype,
                                   backend)
     if dk is None:
         dk_nope = dk_pe = None

@@ -202,10 +202,59 @@ def _quantize_sharded_blocked_axis():
     return None
 
 
+def _kv_case(seed, shared):
+    """mxmla::mla_kv_mxfp8 (k_pe rotated in it) and its backward on DTensors against one process: k_nope
+    and v Shard(head), k_pe Replicate when shared by the heads (else Shard(head)), the tables Replicate.
+    Forward: no collective, every output Shard(head) and this rank's heads' bytes. Backward: dk_nope and
+    dv this rank's heads' bytes; a shared k_pe's gradient is the backward op's Partial (each rank's heads'
+    sum), all-reduced into the replicated input's gradient (within GRAD_BOUND: two bf16 roundings of
+    partial sums, as x_q's above); a per-head one is this rank's heads' bytes."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    heads = slice(rank * H // world, (rank + 1) * H // world)
+    rng = np.random.default_rng(seed)
+    t = lambda *shape: torch.from_numpy(rng.standard_normal(shape)).bfloat16()  # noqa: E731
+    k_nope, k_pe, v = t(B, S, H, 128), t(B, S, 1 if shared else H, 64), t(B, S, H, 128)
+    dk, dv = t(B, S, H, 192), t(B, S, H, 128)
+    cos, sin = _inputs(seed)[0][3:5]
+    op = torch.ops.mxmla.mla_kv_mxfp8
+
+    ref_in = [x.clone().requires_grad_() for x in (k_nope, k_pe, v)]
+    ref = op(*ref_in, cos, sin, "bshd", None)
+    torch.autograd.backward([ref[0], ref[3]], [dk, dv])
+
+    mesh = init_device_mesh("cpu", (world,))
+    mine = [x[:, :, heads].clone().requires_grad_() for x in (k_nope, v)]
+    pe = (k_pe if shared else k_pe[:, :, heads]).clone().requires_grad_()
+    on_heads = lambda x: DTensor.from_local(x, mesh, [Shard(2)])  # noqa: E731
+    replicated = lambda x: DTensor.from_local(x, mesh, [Replicate()])  # noqa: E731
+    with CommDebugMode() as fwd_comm:
+        outs = op(on_heads(mine[0]), replicated(pe) if shared else on_heads(pe), on_heads(mine[1]), replicated(cos),
+                  replicated(sin), "bshd", None)
+    result = {"fwd collectives": dict(fwd_comm.get_comm_counts()),
+              "placements": sorted({str(o.placements) for o in outs})}
+    for i, what in ((1, "k codes"), (2, "k scales"), (4, "v codes"), (5, "v scales")):
+        assert_bytes_equal(outs[i].to_local(), ref[i][:, :, heads], what)
+    with CommDebugMode() as bwd_comm:
+        torch.autograd.backward([outs[0], outs[3]], [on_heads(dk[:, :, heads]), on_heads(dv[:, :, heads])])
+    result["bwd collectives"] = {str(k): v for k, v in bwd_comm.get_comm_counts().items()}
+    assert_bytes_equal(mine[0].grad, ref_in[0].grad[:, :, heads], "dk_nope")
+    assert_bytes_equal(mine[1].grad, ref_in[2].grad[:, :, heads], "dv")
+    if shared:
+        result["dk_pe"] = _rel(pe.grad, ref_in[1].grad)
+    else:
+        assert_bytes_equal(pe.grad, ref_in[1].grad[:, :, heads], "dk_pe")
+    grads = torch.ops.mxmla.mla_kv_mxfp8_backward(on_heads(dk[:, :, heads]), None, replicated(cos), replicated(sin),
+                                                  "bshd", shared, "bfloat16", "bfloat16", "bfloat16", None)
+    result["backward placements"] = [str(g.placements) for g in grads]
+    return result
+
+
 def _rank_checks(rank, world):
     results = {}
     checked(results, "bf16", _tp_case, 21, False)
     checked(results, "mxfp8", _tp_case, 22, True)
+    checked(results, "kv shared k_pe", _kv_case, 23, True)
+    checked(results, "kv per-head k_pe", _kv_case, 24, False)
     checked(results, "quantize placement", _quantize_sharded_blocked_axis)
     return results
 
@@ -236,16 +285,42 @@ def test_quantize_shards_a_blocked_axis_only_in_whole_blocks(ranks):
         assert message is not None and message.startswith("x: sharded 2 ways along blocked axis 0"), message
 
 
-# DTensor never meets these: mla_kv_mxfp8 given DTensors takes the composition of the other ops (rope,
-# then mxfp8_quantize of k and of v), as the TP runs of the block (tests/test_parallel_check.py) and
-# of the patched HF model (tests/test_parallel_hf.py) do on the mxfp8 path.
-COMPOSED_FOR_DTENSOR = {"mla_kv_mxfp8", "mla_kv_mxfp8_backward"}
+@pytest.mark.parametrize("shared", [True, False])
+def test_kv_op_on_heads(ranks, shared):
+    for rank, result in enumerate(result_of(ranks, "kv shared k_pe" if shared else "kv per-head k_pe")):
+        assert result["fwd collectives"] == {}, result["fwd collectives"]
+        assert result["placements"] == ["(Shard(dim=2),)"], result["placements"]
+        pe = "(Partial(sum),)" if shared else "(Shard(dim=2),)"
+        assert result["backward placements"] == ["(Shard(dim=2),)", pe, "(Replicate(),)"], result
+        if shared:  # the Partial gradient reaches the replicated k_pe through one all-reduce
+            assert any("all_reduce" in k for k in result["bwd collectives"]), result["bwd collectives"]
+            assert result["dk_pe"] <= GRAD_BOUND, f"rank {rank}: dk_pe rel. Frobenius {result['dk_pe']:.2e}"
+        else:
+            assert result["bwd collectives"] == {}, result["bwd collectives"]
+
+
+# mxmla ops that only plain tensors reach: dispatch.nn.mla_q_projection takes the fused query op
+# (dispatch.q_path) and a weight's kept copies (dispatch.weights, whose proxy op this is) for a plain
+# weight only; a DTensor weight takes the composition of the ops above, quantized per call. (The
+# mla_kv_mxfp8 wrapper, too, hands DTensors to the composition; its two ops' rules serve direct calls.)
+PLAIN_TENSORS_ONLY = {"rmsnorm_mla_q", "rmsnorm_mla_q_backward", "weight_grad_proxy"}
 
 
 def test_every_custom_op_has_a_rule():
-    """Every op of dispatch.autograd.OPS that a DTensor can reach has a DTensor strategy: a register_sharding
-    rule, except mxfp8_quantize (list output), whose strategy is registered with the propagator directly."""
-    assert set(mxag.OPS) - set(RULES) - COMPOSED_FOR_DTENSOR == {"mxfp8_quantize"}
+    """Every op of dispatch.autograd.OPS has a DTensor strategy: a register_sharding rule, except
+    mxfp8_quantize (list output), whose strategy is registered with the propagator directly; the
+    namespace's other ops are the plain-tensor ones (PLAIN_TENSORS_ONLY) and those of the optional
+    integrations (dispatch.integrations.*: their own layers' helpers)."""
+    import dispatch.nn  # noqa: F401  (defines the query path's ops)
+    from torch._library.custom_ops import OPDEFS
+
+    assert set(mxag.OPS) - set(RULES) == {"mxfp8_quantize"}
+    defined = {name.split("::")[1].split(".")[0] for name in torch._C._dispatch_get_all_op_names()
+               if name.startswith("mxmla::")}
+    assert PLAIN_TENSORS_ONLY <= defined - set(mxag.OPS)
+    others = defined - set(mxag.OPS) - PLAIN_TENSORS_ONLY
+    modules = {name: OPDEFS[f"mxmla::{name}"]._init_fn.__module__ for name in others}
+    assert all(m.startswith("dispatch.integrations.") for m in modules.values()), modules
     props = DTensor._op_dispatcher.sharding_propagator
-    for name in set(mxag.OPS) - COMPOSED_FOR_DTENSOR:
+    for name in mxag.OPS:
         assert getattr(torch.ops.mxmla, name).default in props.op_strategy_funcs, name

@@ -20,6 +20,10 @@ Rules, per op (besides all-Replicate, always accepted):
   q_col's [T/32, H, 192] scales). H must divide by the mesh size (N by 192 * mesh size).
 - mla_q_uproj_rope_quant_backward: dq Shard(1), x Replicate, w Shard(0) -> dx Partial(sum), dw Shard(0).
 - rope, rope_backward: x Shard(head axis = ndim-2), tables and index tensors Replicate -> Shard(head).
+- mla_kv_mxfp8: k_nope and v Shard(head axis), k_pe Replicate when one head is shared by all (else
+  Shard(head) too), cos/sin Replicate -> every output (k's and v's proxy, codes, scales) Shard(head).
+- mla_kv_mxfp8_backward: dk, dv Shard(head), tables Replicate -> dk_nope, dv Shard(head); dk_pe
+  Partial(sum) for a shared k_pe (each rank sums its heads' share), else Shard(head).
 - mxfp8_dequantize: Shard(d) for any d but the blocked axis -> Shard(d).
 - mla_attention, mla_attention_backward: q, k, v, o, do Shard(head axis), lse Shard(its H axis) ->
   outputs alike; or all of them Shard(batch axis) (bshd, sbhd).
@@ -54,6 +58,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 import dispatch.autograd as mxag
 from spec.constants import BLOCK_SIZE
+from spec.mla_kv import mla_kv_axes
 
 
 __all__ = ["mxfp8_quantize", "RULES"]
@@ -146,6 +151,35 @@ def _rope_backward_rule(grad, cos, sin, style, layout, cu_seqlens, positions, st
 
 
 # --------------------------------------------------------------------------------------------------
+# MLA's key and value (mla_kv_mxfp8): what the composition's rules give (rope of k_pe, its expand over
+# the heads, the concatenation and the two quantizes)
+# --------------------------------------------------------------------------------------------------
+
+@_register(_OPS.mla_kv_mxfp8.default)
+def _kv_rule(k_nope, k_pe, v, cos, sin, layout, backend):
+    args = (k_nope, k_pe, v, cos, sin, layout, backend)
+    head = mla_kv_axes(layout)[1]
+    shared = tuple(k_pe.tensor_meta.shape)[head] != tuple(k_nope.tensor_meta.shape)[head]
+    # k_nope and v per head; k_pe as it is shared (Replicate) or per head; the tables Replicate. k's codes
+    # and scales ([..., H, 192] blocked along D) and v's ([..., H, 128] blocked along the sequence) keep
+    # the head axis, as the proxies do
+    placements = [Shard(head), R if shared else Shard(head), Shard(head)] + _present(args[3:], R)
+    return [_replicated(6, args), ([Shard(head)] * 6, placements)]
+
+
+@_register(_OPS.mla_kv_mxfp8_backward.default)
+def _kv_backward_rule(dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend):
+    args = (dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend)
+    head = mla_kv_axes(layout)[1]
+    # a shared k_pe's gradient sums over the heads: each rank's sum over its heads is a Partial share;
+    # an absent dk / dv gives an empty tensor (Replicate)
+    dk_nope, dk_pe = (Shard(head), Partial() if pe_shared else Shard(head)) if _is_tensor(dk) else (R, R)
+    outs = [dk_nope, dk_pe, Shard(head) if _is_tensor(dv) else R]
+    placements = [Shard(head) if _is_tensor(dk) else None, Shard(head) if _is_tensor(dv) else None]
+    return [_replicated(3, args), (outs, placements + _present(args[2:], R))]
+
+
+# --------------------------------------------------------------------------------------------------
 # MXFP8 dequantize
 # --------------------------------------------------------------------------------------------------
 
@@ -227,7 +261,8 @@ def _attention_backward_rule(do, q, q_codes, q_scales, q_format, k, k_codes, k_s
 
 
 RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "rope_backward",
-         "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention", "mla_attention_backward")
+         "mla_kv_mxfp8", "mla_kv_mxfp8_backward", "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention",
+         "mla_attention_backward")
 
 
 # --------------------------------------------------------------------------------------------------
