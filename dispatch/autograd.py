@@ -84,6 +84,7 @@ from torch.utils import _python_dispatch
 
 import dispatch as _dispatch
 import dispatch.resolution as _resolution
+from backends import kept as _kept
 from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
 from spec.mla_kv import MLA_KV_LAYOUTS, mla_kv_axes, validate_mla_kv_quantize, validate_mla_kv_tables
@@ -138,12 +139,12 @@ def grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
 
 def shared_grad_proxy(shape: Sequence[int], dtype: torch.dtype, device: Any) -> Tensor:
     """grad_proxy's eager form: the kept zero of (dtype, device), expanded (torch.autograd.Function outputs
-    may share storage)."""
+    may share storage). Kept only where `backends.kept.may_keep` allows (not in a CUDA graph's pool)."""
     key = (dtype, device if isinstance(device, torch.device) else torch.device(device))
     base = _ZEROS.get(key)
     if base is None:
         base = torch.zeros((), dtype=dtype, device=key[1])
-        if key[1].type != "cuda" or not torch.cuda.is_current_stream_capturing():  # a captured fill runs later
+        if _kept.may_keep(key[1]):
             _ZEROS[key] = base
     return base.expand(tuple(shape))
 

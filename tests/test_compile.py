@@ -358,6 +358,97 @@ def test_opcheck_rmsnorm_mla_q():
 # CUDA graphs (GPU only)
 # --------------------------------------------------------------------------------------------------
 
+def test_may_keep_only_on_the_default_stream_outside_capture(monkeypatch):
+    """backends.kept.may_keep on a CUDA device (torch.cuda's stream queries stood in for): a tensor may
+    be kept on the default stream, not on a side stream (CUDA-graph trees' warm-up and capture, whose
+    allocations go to the graph's pool), nor while a graph is captured; off CUDA always."""
+    from backends import kept
+
+    state = {"stream": "default", "capturing": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: state["stream"])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "default")
+    assert kept.may_keep("cuda:0") and kept.may_keep(torch.device("cpu"))
+    state["stream"] = "side"
+    assert not kept.may_keep("cuda:0") and kept.may_keep("cpu")
+    state["stream"], state["capturing"] = "default", True
+    assert not kept.may_keep(torch.device("cuda", 0))
+
+
+def _module_tensors():
+    """{id: tensor} of every tensor reachable from the module-level state of backends.*, dispatch.* and
+    examples.* (dicts, sequences, sets, weak dictionaries, thread-locals, and objects of those
+    packages and of spec, a few levels deep): where a cache keeps what it made."""
+    import sys
+    import threading
+    import weakref
+
+    found, seen = {}, set()
+    packages = ("backends", "dispatch", "examples", "spec")
+
+    def walk(obj, depth):
+        if id(obj) in seen or depth > 6:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif isinstance(obj, (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
+            for key, value in list(obj.items()):
+                walk(key, depth + 1)
+                walk(value, depth + 1)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for item in list(obj):
+                walk(item, depth + 1)
+        elif isinstance(obj, threading.local) or type(obj).__module__.split(".")[0] in packages:
+            for value in list(getattr(obj, "__dict__", {}).values()):
+                walk(value, depth + 1)
+            for name in getattr(type(obj), "__slots__", ()):
+                walk(getattr(obj, name, None), depth + 1)
+
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.split(".")[0] in packages:
+            for value in list(vars(module).values()):
+                if not isinstance(value, type(sys)) and not callable(value) or isinstance(value, torch.Tensor):
+                    walk(value, 0)
+    return found
+
+
+@pytest.mark.parametrize("path", ["mxfp8", "bf16"])
+def test_block_compiled_step_keeps_nothing_it_made_in_a_graph_pool(path, monkeypatch):
+    """The example block's compiled step (forward and backward, fullgraph, aot_eager) on the Triton
+    backend (interpreter), run as inside CUDA-graph trees' warm-up (backends.kept.may_keep says no, as
+    on their side stream): afterwards no module-level state of backends / dispatch / examples holds a
+    tensor it did not hold before. On a GPU such a tensor sits in the graph's private pool and the
+    trees refuse it ("tensor(s) in the cudagraph pool not tracked as outputs"):
+    test_block_cuda_graphs_bytes_equal_cuda is the real check. The known caches are emptied after a
+    first step (tracing and running), so the step has to make again what they would keep."""
+    from tests.util import skip_without_triton_interpreter
+
+    skip_without_triton_interpreter()
+    from backends import kept
+    from backends.triton import _common as triton_common
+    from backends.triton import mla_q as triton_mla_q
+
+    import examples.mla_block as mb
+
+    monkeypatch.setenv("MXMLA_TRITON_WEIGHT_BF16", "1")  # its cache in play too
+    cfg = mb.replace(mb.CONFIGS["small"], batch=1, seq=64)
+    model = mb.MLABlock(cfg, path, backend="triton").reset_parameters(0)
+    task = mb.CopyTask(cfg, 0, "cpu")
+    cos, sin = mb.rope_tables(cfg, "cpu")
+    h, target = task.batch(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    mb.normalized_mse(compiled(h, cos, sin), target).backward()  # traced and run, as before a graph is recorded
+    for owner, name in ((triton_common, "_PLACEHOLDERS"), (triton_mla_q, "_WEIGHT_BF16"), (mxag, "_ZEROS")):
+        monkeypatch.setattr(owner, name, {})
+    before = _module_tensors()
+    monkeypatch.setattr(kept, "may_keep", lambda device: False)
+    mb.normalized_mse(compiled(h, cos, sin), target).backward()
+    gained = [t for i, t in _module_tensors().items() if i not in before]
+    assert not gained, [(tuple(t.shape), t.dtype) for t in gained]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", ["mxfp8", "bf16"])
 def test_block_cuda_graphs_bytes_equal_cuda(path, monkeypatch):
@@ -366,7 +457,8 @@ def test_block_cuda_graphs_bytes_equal_cuda(path, monkeypatch):
     kernels, captured) gives eager's losses and parameters byte for byte, and mode="reduce-overhead"
     (Inductor, captured) gives Inductor's without CUDA graphs byte for byte (Inductor's fused torch ops
     round differently from eager's, so those two are compared with each other). Capture fails on any
-    host read of a device value on the captured path."""
+    host read of a device value on the captured path, and the graph trees refuse a tensor left alive in
+    their pool (a cache filled inside the warm-up: the caches are emptied before each graphed run)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -376,6 +468,16 @@ def test_block_cuda_graphs_bytes_equal_cuda(path, monkeypatch):
 
     def train(**compile_args):
         torch._dynamo.reset()
+        if compile_args.get("backend") == "cudagraphs" or compile_args.get("mode") == "reduce-overhead":
+            # the kept tensors made afresh, inside the graph trees' warm-up, as in a fresh process
+            # (backends.kept: they must not stay in the graph's pool)
+            from backends.cudnn import _common as cudnn_common
+            from backends.triton import _common as triton_common
+            from backends.triton import mla_q as triton_mla_q
+
+            for owner, name in ((triton_common, "_PLACEHOLDERS"), (triton_mla_q, "_WEIGHT_BF16"), (mxag, "_ZEROS")):
+                monkeypatch.setattr(owner, name, {})
+            cudnn_common.reset_handles()
         model = mb.MLABlock(cfg, path).reset_parameters(0).to("cuda")
         forward = torch.compile(model, fullgraph=True, **compile_args) if compile_args else model
         task = mb.CopyTask(cfg, 0, "cuda")

@@ -716,6 +716,23 @@ def test_graph_cache_hits(fake):
     assert att.build_count == before + 4
 
 
+def test_workspace_made_per_call_where_it_may_not_be_kept(fake, monkeypatch):
+    """Where backends.kept.may_keep says no (a CUDA graph's capture, or CUDA-graph trees' warm-up on
+    their side stream: memory from the graph's private pool), each call gets its own workspace and
+    the handle's state keeps none; elsewhere one is kept and reused."""
+    from backends import kept
+
+    q, k, v, _ = bf16_inputs(0, 1, 64, 64, 2, "bshd")
+    monkeypatch.setattr(kept, "may_keep", lambda device: False)
+    att.mla_attention(q, k, v, causal=True)
+    att.mla_attention(q, k, v, causal=True)
+    (_, ws1, _), (_, ws2, _) = FakeGraph.instances[0].executions
+    assert ws1 is not ws2 and not _common._launch_state(q.device).workspaces
+    monkeypatch.setattr(kept, "may_keep", lambda device: True)
+    att.mla_attention(q, k, v, causal=True)
+    assert list(_common._launch_state(q.device).workspaces.values()) == [FakeGraph.instances[0].executions[-1][1]]
+
+
 def test_graph_cache_hit_host_time(fake):
     """Host cost of a cache hit with the library mocked out (its execute is a no-op here).
 

@@ -16,6 +16,8 @@ import torch
 
 from spec.mxtensor import MXTensor
 
+from .. import kept
+
 
 # --------------------------------------------------------------------------------------------------
 # Frontend and versions
@@ -220,7 +222,9 @@ def launch(device: torch.device, workspace_bytes: int):
     The workspace is kept per (thread, device, stream) and grows when a graph needs more: work on
     one stream is ordered, so graphs on that stream can share it, and a buffer replaced by a larger
     one goes back to torch's caching allocator, which reuses it only in that stream's order. It is
-    allocated on first use: run every shape once before CUDA graph capture."""
+    kept only where `backends.kept.may_keep` allows (the default stream, outside capture): inside a
+    CUDA graph's capture or CUDA-graph trees' warm-up (side streams whose allocations go to the graph's
+    pool) each call gets its own, freed when the call returns."""
     state = _launch_state(device)
     stream = current_stream_handle(device)
     if stream != state.stream:  # the handle is this thread's own: no one else moves its stream
@@ -230,7 +234,9 @@ def launch(device: torch.device, workspace_bytes: int):
         return state.handle, None
     ws = state.workspaces.get(stream)
     if ws is None or ws.numel() < workspace_bytes:
-        ws = state.workspaces[stream] = torch.empty((workspace_bytes,), dtype=torch.uint8, device=device)
+        ws = torch.empty((workspace_bytes,), dtype=torch.uint8, device=device)
+        if kept.may_keep(device):
+            state.workspaces[stream] = ws
     return state.handle, ws
 
 

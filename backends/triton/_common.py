@@ -12,7 +12,7 @@ import triton
 
 from spec.mxtensor import MXTensor
 
-from .. import settings
+from .. import kept, settings
 from . import compile_ahead
 
 
@@ -52,14 +52,15 @@ _PLACEHOLDERS: dict = {}  # (dtype, device) -> a one-element zero tensor
 def placeholder(dtype: torch.dtype, device) -> torch.Tensor:
     """A one-element zero tensor for a pointer argument the launch never dereferences (its constexpr
     switch is off), kept per dtype and device: a fresh one per launch costs an allocation and a fill
-    kernel. Only for pointers that are neither written nor read as data. Not kept while a CUDA graph
-    is captured (memory allocated then belongs to the graph's pool)."""
+    kernel. Only for pointers that are neither written nor read as data. Kept only where
+    `backends.kept.may_keep` allows (not inside a CUDA graph's capture or CUDA-graph trees' warm-up:
+    memory allocated then belongs to the graph's pool)."""
     device = device if isinstance(device, torch.device) else torch.device(device)
     key = (dtype, device)
     t = _PLACEHOLDERS.get(key)
     if t is None:
         t = torch.zeros(1, dtype=dtype, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if kept.may_keep(device):
             _PLACEHOLDERS[key] = t
     return t
 

@@ -98,7 +98,7 @@ import triton.language as tl
 from spec.constants import MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from spec.mxtensor import MXTensor
 
-from .. import settings
+from .. import kept, settings
 from ..registry import register, register_variant, variants
 from ._common import (autotune_cached, autotune_enabled, cdiv, device_capability, fast_launch, interpret_mode,
                       launch_gated, placeholder, triton_reasons)
@@ -1020,7 +1020,10 @@ def _weight_bf16(w: MXTensor, also=()):
     verdict on it, [bf16 dequantizations of the MXTensors in `also`, guarded on the same flag]): w's
     from the cache above when it holds w, else made now (and kept), in the same launch as also's."""
     stamp = None
-    if settings.flag("MXMLA_TRITON_WEIGHT_BF16"):
+    # inside a CUDA graph (capture, or CUDA-graph trees' warm-up) the cache is neither filled (a pool
+    # tensor kept past the call: backends.kept) nor read (a replay would read the copy of the weight as
+    # it was when recorded, after later optimizer steps too)
+    if settings.flag("MXMLA_TRITON_WEIGHT_BF16") and kept.may_keep(w.data.device):
         try:
             stamp = _stamp(w)
         except RuntimeError:  # inference tensors keep no version counter: nothing to key a copy on
