@@ -520,21 +520,27 @@ def test_import_dispatch_without_transformers():
     assert "pip install 'mxmla[hf]'" in out.stdout
 
 
+def quantize_spy(monkeypatch, shape) -> list:
+    """The list dispatch.run's mxfp8_quantize calls on a tensor of `shape` (q_b_proj's weight) are
+    appended to, from now on."""
+    calls = []
+    real_run = dispatch.run
+
+    def spy(op, *args, **kw):
+        if op == "mxfp8_quantize" and tuple(args[0].shape) == tuple(shape):
+            calls.append(op)
+        return real_run(op, *args, **kw)
+
+    monkeypatch.setattr(dispatch, "run", spy)
+    return calls
+
+
 def test_mxfp8_path_quantizes_q_b_proj_once_per_step(monkeypatch):
     """Patching makes each layer's copies of q_b_proj's weight; then two micro-batches and an optimizer
     step, twice: the weight is quantized again once per layer per step (at the next step's first
     forward, eager mode finding the weight changed)."""
     ref = tiny_model()
-    n = ref.model.layers[0].self_attn.q_b_proj.weight.shape
-    calls = []
-    real_run = dispatch.run
-
-    def spy(op, *args, **kw):
-        if op == "mxfp8_quantize" and tuple(args[0].shape) == tuple(n):
-            calls.append(op)
-        return real_run(op, *args, **kw)
-
-    monkeypatch.setattr(dispatch, "run", spy)
+    calls = quantize_spy(monkeypatch, ref.model.layers[0].self_attn.q_b_proj.weight.shape)
     model = patched(ref, "mxfp8").train()
     assert len(calls) == 2  # 2 layers, at patch time
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -596,15 +602,7 @@ def test_gradient_checkpointing_recomputes_through_the_patch(monkeypatch):
         ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = token_ids()
     _loss(plain, ids).backward()
-    calls = []
-    real_run = dispatch.run
-
-    def spy(op, *args, **kw):
-        if op == "mxfp8_quantize" and tuple(args[0].shape) == (2 * 192, 64):
-            calls.append(op)
-        return real_run(op, *args, **kw)
-
-    monkeypatch.setattr(dispatch, "run", spy)
+    calls = quantize_spy(monkeypatch, (2 * 192, 64))
     _loss(ckpt, ids).backward()
     assert patch_state(ckpt).served == 4  # 2 layers, forward and recomputation
     assert calls == []

@@ -29,21 +29,11 @@ import dispatch.autograd as mxag  # noqa: E402
 from dispatch.nn import mla_q_projection  # noqa: E402
 from dispatch.integrations.transformers import patch_deepseek_v3, patch_state, unpatch_deepseek_v3  # noqa: E402
 from dispatch.weights import MXFP8Weight  # noqa: E402
-from tests.test_integration_transformers import _loss, logits, patched, tiny_model, token_ids  # noqa: E402
+from tests.test_compile_transformers import fresh_dynamo  # noqa: E402, F401 (autouse fixture)
+from tests.test_integration_transformers import _loss, logits, patched, quantize_spy, tiny_model, token_ids  # noqa: E402
 from tests.util import assert_bytes_equal  # noqa: E402
 
 LAYERS = 2
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -63,20 +53,6 @@ def _assert_fresh(model, what):
                                 "row scales"), (entry.col.data, fresh.col.data, "col codes"),
                                 (entry.col.scale, fresh.col.scale, "col scales")):
             assert_bytes_equal(_bits(got), _bits(want), f"{what}: layer {i} {name}")
-
-
-def _quantize_spy(monkeypatch, shape):
-    """dispatch.run's mxfp8_quantize calls on a tensor of q_b_proj's weight shape."""
-    calls = []
-    real_run = dispatch.run
-
-    def spy(op, *args, **kw):
-        if op == "mxfp8_quantize" and tuple(args[0].shape) == tuple(shape):
-            calls.append(op)
-        return real_run(op, *args, **kw)
-
-    monkeypatch.setattr(dispatch, "run", spy)
-    return calls
 
 
 def test_compiled_copies_are_fresh_after_every_step_with_accumulation():
@@ -115,7 +91,7 @@ def test_eager_with_the_optimizer_hook_quantizes_once_per_step_in_the_hook(monke
     advances before the step, so the hook's copies count as made after it). Without the hook (or with
     its handle removed) the first forward after each step refreshes them instead: the same bytes."""
     ref = tiny_model()
-    calls = _quantize_spy(monkeypatch, ref.model.layers[0].self_attn.q_b_proj.weight.shape)
+    calls = quantize_spy(monkeypatch, ref.model.layers[0].self_attn.q_b_proj.weight.shape)
 
     def run(hook):
         model = patched(ref, "mxfp8").train()
