@@ -48,7 +48,8 @@ autograd graph still in flight stays valid after the weight changes.
 torch.compile: inside a compiled region the cache (Python state keyed by `_version`) is not traced;
 `quantized_weight` quantizes the weight in the graph on every call through `mxag.mxfp8_quantize` (same
 values; w_col then has the untransposed layout). A module that owns a `WeightCopies` hands the graph
-its buffers instead (dispatch.nn.MLAQProjection, examples/mla_block.py). A DTensor weight (tensor parallelism) is quantized the same way on
+its buffers instead (dispatch.nn.MLAQProjection, examples/mla_block.py, the HF patch of
+dispatch.integrations.transformers). A DTensor weight (tensor parallelism) is quantized the same way on
 every call, through the custom op's DTensor rule (dispatch.parallel.tensor). Under `torch.no_grad()` the cache works as in training and the
 returned tensors carry a proxy that records no graph.
 """
