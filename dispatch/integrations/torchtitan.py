@@ -3,8 +3,8 @@
     from torchtitan.models.deepseek_v3 import model_registry
     from dispatch.integrations.torchtitan import MXMLAConverter, convert_deepseek_v3
 
-    spec = model_registry("671B", converters=[MXMLAConverter.Config(path="mxfp8")])   # or:
-    config = convert_deepseek_v3(deepseekv3_configs["671B"](attn_backend="varlen", ...), path="mxfp8")
+    spec = model_registry("671B", attn_backend="varlen", converters=[MXMLAConverter.Config(path="mxfp8")])
+    config = convert_deepseek_v3(model_config, path="mxfp8")      # the same on any config tree
 
 A TorchTitan job names it either way: `model_registry(flavor, converters=[MXMLAConverter.Config(...)])`
 in its config function, or `--override.imports dispatch.integrations.torchtitan.mxmla_attention` (kwargs
@@ -53,11 +53,13 @@ masks None, on the mxfp8 path a sequence length that is not a multiple of 32, an
 dims other than 128 + 64 / 128, a RoPE other than ComplexRoPE, q_lora_rank (or dim when it is 0) not a
 multiple of 32 on the mxfp8 path, wq_b / wq with bias, q_norm without a weight, an unknown path.
 
-Tensor parallelism: with DTensor parameters (TorchTitan's "partial_dtensor" / "full_dtensor"
-backends) the forward runs on each rank's local heads (x replicated, wq_b / wkv_b column shards) and
-hands wo its input as a DTensor sharded on the features, as stock's rowwise wo expects; with the
-"spmd_types" backend the tensors are the local ones already. FSDP2: see docs/INTEGRATION.md for what
-holds for q's MXFP8 weight copy.
+Tensor parallelism: with DTensor parameters (TorchTitan's "partial_dtensor" backend; tested) the
+forward runs on each rank's local heads (x replicated, wq_b / wkv_b column shards; replicated inputs
+used per head hand back Partial gradients) and hands wo its input as a DTensor sharded on the features,
+as stock's rowwise wo expects; with the "spmd_types" backend (TorchTitan's default; tested) the tensors
+are the local ones already. FSDP2 in eager mode: q's MXFP8 weight copy is keyed on the sharded
+parameter and the optimizer-step clock (`_q_copy_token`), so it is made once per optimizer step
+although the all-gather lands the weight in new storage every forward (docs/INTEGRATION.md).
 """
 from __future__ import annotations
 
