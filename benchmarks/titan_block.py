@@ -171,7 +171,7 @@ def time_steps(steps: dict, args, cuda: bool) -> dict:
                     ms = (time.perf_counter() - t0) * 1e3
                 if r:  # the first round warms up (compilation, autotuning, allocator)
                     times[name].append(ms)
-            if cuda:
+            if cuda and r:
                 peaks[name].append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
     return {name: {"ms": statistics.median(times[name]), "peak_gib": max(peaks[name]) if peaks[name] else None}
             for name in steps}
