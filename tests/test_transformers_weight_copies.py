@@ -209,3 +209,31 @@ def test_float32_tables_give_the_bytes_of_bf16_tables():
         outs.append([q.data, q.scale, k.data, k.scale, v.data, v.scale, r, pe.grad])
     for i, (a, b) in enumerate(zip(*outs)):
         assert_bytes_equal(_bits(b), _bits(a), f"output {i}")
+
+
+def test_a_step_whose_hook_cannot_refresh_sends_compiled_forwards_to_the_graphs_quantization(monkeypatch):
+    """The optimizer's hook finds the weight unquantizable here (as FSDP2's sharded DTensor parameter
+    is at the step): the copies are marked unrefreshed, and the next compiled forward recompiles once
+    and quantizes the updated weight in its graph -- the bytes eager mode gives after refreshing --
+    instead of reading the stale copies."""
+    from dispatch.integrations import transformers as integration
+
+    model = patch_deepseek_v3(tiny_model().train(), path="mxfp8", backend="torch")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = patch_state(model)
+    state.refresh_after(opt)
+    counter = CompileCounterWithBackend("aot_eager")
+    call = torch.compile(model, backend=counter, fullgraph=True)
+    ids = token_ids()
+    _loss(call, ids).backward()
+    monkeypatch.setattr(integration._QueryWeightCopies, "refresh_if_ready", lambda self, w, rows=None: False)
+    opt.step()
+    opt.zero_grad()
+    monkeypatch.undo()
+    assert all(c.unrefreshed for c in state.weight_copies)
+    assert counter.frame_count == 1 and state.quantized_in_graph == 0
+    got = call(ids).logits.detach()  # grad mode as traced: only the copies' state can recompile
+    assert counter.frame_count == 2 and state.quantized_in_graph == LAYERS
+    want = model(ids).logits.detach()  # eager: refreshes the copies from the updated weight first
+    assert_bytes_equal(got, want, "logits after the step")
+    assert not any(c.unrefreshed for c in state.weight_copies)

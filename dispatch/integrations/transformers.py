@@ -36,9 +36,12 @@ never quantizes the weight -- while an optimizer is registered. Without one a co
 not see a weight update (no Python check runs inside the graph), so it quantizes the weight in the
 graph instead, every forward (correct, slower), and says so once in the log
 (`patch_state(model).quantized_in_graph` counts those traces); registering an optimizer later
-recompiles once. After any other write to a query weight under compile (an edit outside the
-optimizer, `.data` assignments) call `patch_state(model).refresh_weight_copies()`. A DTensor weight
-(tensor parallelism, FSDP2) is quantized per call as before, the copies unused.
+recompiles once. Likewise while the last refresh could not read the weight (a DTensor, e.g. FSDP2's
+sharded parameter at the optimizer step, or a weight on the meta device): the graph quantizes the
+gathered weight itself until a refresh succeeds. After any other write to a query weight under
+compile (an edit outside the optimizer, `.data` assignments) call
+`patch_state(model).refresh_weight_copies()`. A weight that is a DTensor inside the forward (tensor
+parallelism) is quantized per call as before, the copies unused.
 
 Mapping of HF's conventions:
 - RoPE: HF's cos / sin (`position_embeddings`, per token, from position_ids, offsets and the rope type's
@@ -155,8 +158,8 @@ class PatchState:
             return True
 
         @torch._dynamo.assume_constant_result
-        def note_unhooked(layer_idx: Optional[int]) -> bool:
-            self.note_unhooked(layer_idx)
+        def note_unhooked(layer_idx: Optional[int], why: str) -> bool:
+            self.note_unhooked(layer_idx, why)
             return True
 
         self._trace_marker, self._copies_marker = note_trace, note_unhooked
@@ -208,13 +211,11 @@ class PatchState:
         if reason is not None:
             self._log(layer_idx, f"{reason} (under torch.compile, decided when traced)")
 
-    def note_unhooked(self, layer_idx: Optional[int]) -> None:
-        """A trace of the mxfp8 path with no `refresh_after` optimizer: the graph quantizes the query
-        weight itself (dynamo runs this while tracing)."""
+    def note_unhooked(self, layer_idx: Optional[int], why: str) -> None:
+        """A trace of the mxfp8 path whose graph quantizes the query weight itself, since the copies may
+        be stale (`why`; dynamo runs this while tracing)."""
         self.quantized_in_graph += 1
-        message = ("the compiled graph quantizes q_b_proj's weight in every forward: no optimizer registered "
-                   "for its persistent MXFP8 copies (patch_state(model).refresh_after(optimizer), or "
-                   "patch_deepseek_v3(..., optimizer=optimizer))")
+        message = f"the compiled graph quantizes q_b_proj's weight in every forward: {why}"
         if message not in self._logged:
             self._logged.add(message)
             log.warning("mxmla mxfp8 path, DeepseekV3Attention layer %s: %s (logged once)", layer_idx, message)
@@ -259,6 +260,10 @@ class _QueryWeightCopies(WeightCopies):
         super().__init__(proj.weight.shape, backend=backend, device=proj.weight.device)
         object.__setattr__(self, "_proj", proj)  # read, not owned: no submodule, no second state-dict entry
         self.neox = not attn.config.rope_interleave
+        # the last refresh from the weight could not run (the weight was a DTensor, on the meta device or
+        # another device: e.g. FSDP2's sharded parameter at an optimizer step): the buffers may be stale,
+        # so a compiled forward quantizes the weight in its graph until a refresh succeeds
+        self.unrefreshed = False
         self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_now())
         self.refresh_now()
 
@@ -270,8 +275,14 @@ class _QueryWeightCopies(WeightCopies):
         w = self.weight
         return neox_rows(w.shape[0] // (NOPE_DIM + ROPE_DIM), w.device) if self.neox else None
 
+    def refresh(self, w: Tensor, rows: Optional[Tensor] = None) -> None:
+        super().refresh(w, rows)
+        self.unrefreshed = False
+
     def refresh_now(self) -> None:
-        self.refresh_if_ready(self.weight, self.rows())
+        """Refresh from the projection's weight as it is now, or note that it could not be done."""
+        if not self.refresh_if_ready(self.weight, self.rows()):
+            self.unrefreshed = True
 
     def hook_after(self, optimizer: torch.optim.Optimizer):
         """A step post-hook on `optimizer` refreshing the copies from the projection's weight as it is
@@ -575,10 +586,21 @@ def _weight_copies(attn, patch: PatchState) -> Optional[WeightCopies]:
     them whenever they exist (refreshed first when the weight changed); a compiled graph reads them as
     they are, so it uses them only while an optimizer refreshes them after its steps."""
     copies = getattr(attn, _COPIES_ATTR, None)
-    if copies is None or not torch.compiler.is_compiling() or patch.optimizer_hooks:
+    if copies is None or not torch.compiler.is_compiling():
         return copies
-    patch._copies_marker(getattr(attn, "layer_idx", None))
+    if not patch.optimizer_hooks:
+        patch._copies_marker(getattr(attn, "layer_idx", None), _NO_OPTIMIZER)
+    elif copies.unrefreshed:
+        patch._copies_marker(getattr(attn, "layer_idx", None), _NOT_REFRESHED)
+    else:
+        return copies
     return None
+
+
+_NO_OPTIMIZER = ("no optimizer registered for its persistent MXFP8 copies (patch_state(model).refresh_after("
+                 "optimizer), or patch_deepseek_v3(..., optimizer=optimizer))")
+_NOT_REFRESHED = ("its persistent MXFP8 copies could not be refreshed from the weight (a DTensor, e.g. FSDP2's "
+                  "sharded parameter at the optimizer step, or a weight on another device)")
 
 
 def _shared_tables(cos: Tensor, sin: Tensor, batch: int, seq: int):
