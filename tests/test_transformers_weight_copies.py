@@ -160,6 +160,10 @@ def test_compiled_without_an_optimizer_quantizes_in_the_graph_and_says_so(caplog
         patch_state(model).refresh_after(object())
     with pytest.raises(TypeError, match="optimizer"):
         patch_deepseek_v3(tiny_model(), path="mxfp8", optimizer="adam")
+    other = torch.optim.SGD(model.model.embed_tokens.parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="optimizer: does not update the query weight of DeepseekV3Attention layer 0"):
+        patch_state(model).refresh_after(other)
+    assert patch_state(model).optimizer_hooks == 0
 
 
 def test_k_pe_rotated_inside_the_kv_op(monkeypatch):

@@ -179,6 +179,13 @@ class PatchState:
         handle; `remove()` undoes it. Pass the optimizer that updates the query weights."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for attn in self.modules:
+            copies = getattr(attn, _COPIES_ATTR, None)
+            if copies is not None and id(copies.weight) not in updated:
+                raise ValueError(f"optimizer: does not update the query weight of DeepseekV3Attention layer "
+                                 f"{attn.layer_idx} (not among its parameters), so its steps cannot say when "
+                                 "the copies go stale; pass the optimizer that updates it")
         handles = [copies.hook_after(optimizer) for copies in self.weight_copies]
         self.optimizer_hooks += 1
         return RefreshHandle(self, handles)
