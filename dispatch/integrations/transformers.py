@@ -39,13 +39,13 @@ graph instead, every forward (correct, slower), and says so once in the log
 recompiles once. Likewise while the last refresh could not read the weight (a DTensor, e.g. FSDP2's
 sharded parameter at the optimizer step, or a weight on the meta device): the graph quantizes the
 gathered weight itself until a refresh succeeds. After any other write to a query weight under
-compile (an edit outside the optimizer, `.data` assignments) call
-`patch_state(model).refresh_weight_copies()`. A weight that is a DTensor inside the forward (tensor
+compile (an edit outside the optimizer, `.data` assignments, a Parameter replaced by a loader that
+does not go through `load_state_dict`) call `patch_state(model).refresh_weight_copies()`. A weight that is a DTensor inside the forward (tensor
 parallelism) is quantized per call as before, the copies unused.
 
 Mapping of HF's conventions:
 - RoPE: HF's cos / sin (`position_embeddings`, per token, from position_ids, offsets and the rope type's
-  attention factor included) are used as given. `config.rope_interleave=True` (DeepSeek's checkpoints;
+  attention factor included) are used as given, widened to float32 (exact). `config.rope_interleave=True` (DeepSeek's checkpoints;
   `apply_rotary_pos_emb_interleave`) is mxmla's "mla" style: interleaved pairs in, halves out, with
   HF's cat([freqs, freqs]) tables. `rope_interleave=False` (`apply_rotary_pos_emb`, rotate_half) is
   "neox". Both equal HF's formulas in exact arithmetic (tests/test_integration_transformers.py checks
