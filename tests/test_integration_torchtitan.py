@@ -12,7 +12,10 @@ Losses: 2^-8 relative on both paths (the loss averages many tokens' errors).
 from __future__ import annotations
 
 import copy
+import io
 import logging
+import weakref
+from collections import Counter
 
 import pytest
 import torch
@@ -73,7 +76,7 @@ def _compare(stock, converted, tokens, positions, masks, path):
 
 def _served(model):
     attn = [m for m in model.modules() if isinstance(m, tt.MXMLAAttention)]
-    return sum(m.mxmla_served for m in attn), sum((m.mxmla_fallbacks for m in attn), start=__import__("collections").Counter())
+    return sum(m.mxmla_served for m in attn), sum((m.mxmla_fallbacks for m in attn), start=Counter())
 
 
 # ---- conversion -----------------------------------------------------------------------------------
@@ -95,6 +98,10 @@ def test_convert_replaces_every_attention_and_keeps_fields_params_and_state_dict
     assert list(sd) == list(sd_c)
     assert all(torch.equal(sd[k], sd_c[k]) for k in sd)
     converted.load_state_dict(sd)  # stock's checkpoints load as they are
+    converted.layers["0"].attention._fsdp_probe = (weakref.ref(converted), None)  # as after an FSDP2 forward
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)  # the whole module pickles (TorchTitan's checkpoints are state dicts)
+    assert isinstance(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False), type(converted))
 
 
 def test_converter_through_model_registry_and_override_entry():
@@ -376,7 +383,7 @@ def _single_dims():
 def _count_attention_calls(monkeypatch):
     import dispatch
 
-    calls = __import__("collections").Counter()
+    calls = Counter()
     real = dispatch.run
 
     def counting(op, *args, **kwargs):

@@ -298,6 +298,11 @@ class MXMLAAttention(Attention):
         # copies were keyed on does not see it, so every cached copy goes (dispatch.weights.invalidate)
         self.register_load_state_dict_post_hook(_drop_weight_copies)
 
+    def __getstate__(self):
+        # the FSDP2 probe holds weak references (not picklable) and the copy is a cache: neither travels
+        state = super().__getstate__()
+        return {**state, "_q_copy": None, "_fsdp_probe": None}
+
     def parallelize(self, parallel_dims) -> None:
         self._context_parallel = bool(getattr(parallel_dims, "cp_enabled", False))
         super().parallelize(parallel_dims)
