@@ -62,9 +62,9 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "first call, which meanwhile reads the guard on the host (one synchronisation) and compiles and runs "
            "the fallback only if it is raised; 0: compiled at its first launch"),
     Switch("MXMLA_TRITON_COMPILE_AHEAD", FLAG, "1", "triton: compile_ahead (through _common.fast_launch)",
-           "1: the first launch of a recorded workload (backends/triton/pretuned/<arch>.compile.json, e.g. sm90; "
-           "matched by what Triton specializes on, any shape) compiles the workload's other kernels on background "
-           "threads; 0: each kernel compiles at its first launch"),
+           "1: the first launch that only one path's recorded workloads make (backends/triton/pretuned/<arch>.compile.json, "
+           "e.g. sm90; matched by what Triton specializes on, any shape) compiles every kernel recorded on that path on "
+           "background threads; 0: each kernel compiles at its first launch"),
     Switch("MXMLA_TRITON_FAST_LAUNCH", FLAG, "1",
            "triton: _common.fast_launch (quantize, dequantize, rmsnorm, mla_kv, rope, the Gluon mla_q forward, gated fallbacks)",
            "1: a repeated launch (same kernel, device, argument values and pointer alignment) calls the "
