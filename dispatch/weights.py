@@ -56,6 +56,7 @@ returned tensors carry a proxy that records no graph.
 from __future__ import annotations
 
 import itertools
+import operator
 import sys
 import threading
 import weakref
@@ -330,7 +331,10 @@ class WeightCopies(torch.nn.Module):
 
     def __init__(self, shape, *, backend: Optional[str] = None, device=None):
         super().__init__()
-        n, k = (int(d) for d in shape)
+        try:
+            n, k = (operator.index(d) for d in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"shape: expected a weight's (N, K), two ints, got {shape!r}") from None
         if n % 32 or k % 32:
             raise ValueError(f"shape: both dims must be multiples of 32 (MXFP8 blocks along N and K), got {tuple(shape)}")
         if backend is not None:

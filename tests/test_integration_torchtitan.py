@@ -122,12 +122,15 @@ def test_converter_through_model_registry_and_override_entry():
 
 @pytest.mark.parametrize("change, message", [
     (dict(path="fp4"), "path"),
+    (dict(backend="nope"), "backend: unknown backend 'nope'"),
 ])
 def test_convert_rejects_bad_arguments(change, message):
     with pytest.raises(ValueError, match=message):
         tt.convert_deepseek_v3(tm.deepseek_v3_config(), **change)
     with pytest.raises(ValueError, match="MXMLAConverter.Config.path"):
         tt.MXMLAConverter.Config(path="fp4").build()
+    with pytest.raises(ValueError, match="MXMLAConverter.Config.backend: unknown backend 'nope'"):
+        tt.MXMLAConverter.Config(backend="nope").build()
     with pytest.raises(ValueError, match="no DeepSeek-V3 Attention.Config"):
         tt.convert_deepseek_v3(tm.deepseek_v3_config().layers[0].feed_forward)
     with pytest.raises(TypeError, match="model_config"):

@@ -472,6 +472,8 @@ def test_patch_time_errors():
         patch_deepseek_v3(tiny_model(q_lora_rank=48), path="mxfp8")
     with pytest.raises(ValueError, match="path: expected one of"):
         patch_deepseek_v3(tiny_model(), path="fp8")
+    with pytest.raises(ValueError, match="backend: unknown backend 'nope'"):
+        patch_deepseek_v3(tiny_model(), backend="nope")
     with pytest.raises(ValueError, match="model: no transformers DeepseekV3Attention"):
         patch_deepseek_v3(torch.nn.Linear(4, 4))
     model = patch_deepseek_v3(tiny_model(), path="bf16")

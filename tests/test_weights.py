@@ -281,6 +281,17 @@ def test_bad_weight_names_the_argument(bad, exc, match):
         mxw.quantized_weight(bad)
 
 
+@pytest.mark.parametrize("shape, match", [
+    ((64, 64, 64), r"shape: expected a weight's \(N, K\), two ints, got \(64, 64, 64\)"),
+    ((64.0, 64), r"shape: expected a weight's \(N, K\), two ints, got \(64.0, 64\)"),
+    (64, r"shape: expected a weight's \(N, K\), two ints, got 64"),
+    ((64, 48), r"shape: both dims must be multiples of 32"),
+])
+def test_weight_copies_bad_shape_names_the_argument(shape, match):
+    with pytest.raises(ValueError, match=match):
+        mxw.WeightCopies(shape)
+
+
 def test_triton_interpreter_reads_the_transposed_col():
     """The Triton MXFP8 backward takes w_col's [K, N] view as its K-major GEMM operand: same dw as
     the torch backend given the same codes (both GEMMs exact-sum then one bf16 rounding)."""

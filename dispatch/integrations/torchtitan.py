@@ -75,6 +75,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch.autograd as mxag
 from dispatch.nn import PATHS, mla_q_projection
+from dispatch.policy import parse_backend_list
 from dispatch.weights import adopt, cached_copy, invalidate, optimizer_generation
 
 try:  # the optional extra `.[torchtitan]`
@@ -465,6 +466,8 @@ def convert_deepseek_v3(model_config, path: str = "mxfp8", backend: Optional[str
     cannot run (module docstring); a tree without a DeepSeek-V3 Attention.Config is a ValueError."""
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if backend is not None:
+        parse_backend_list(backend, "backend")  # a bad name raises here, not at the first forward
     if not hasattr(model_config, "traverse"):
         raise TypeError(f"model_config: expected a TorchTitan Configurable.Config tree, got "
                         f"{type(model_config).__name__}")
@@ -504,6 +507,8 @@ class MXMLAConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         if config.path not in PATHS:
             raise ValueError(f"MXMLAConverter.Config.path: expected one of {PATHS}, got {config.path!r}")
+        if config.backend is not None:
+            parse_backend_list(config.backend, "MXMLAConverter.Config.backend")
         self.config = config
 
     def convert(self, model_config):

@@ -109,6 +109,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import dispatch.autograd as mxag
 from dispatch.nn import PATHS, MLAAttention, mla_q_projection, neox_rows
+from dispatch.policy import parse_backend_list
 from dispatch.weights import WeightCopies
 
 try:  # the optional extra `.[hf]`
@@ -366,6 +367,8 @@ def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[s
     _require_transformers()
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if backend is not None:
+        parse_backend_list(backend, "backend")  # a bad name raises here, not at the first forward
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
