@@ -20,9 +20,9 @@ kv_lora 512, head dims 128 + 64 / 128), forward + backward, on every path a user
 A step is forward + backward of the block with its input already on the GPU (h [B*S, 7168] bf16 with
 requires_grad, a fixed random output gradient), the weights' gradients set to None before each step
 and every weight's version counter bumped after it (what an optimizer step does: a per-step weight
-cache must re-quantize); on the mxfp8 path the step ends with the re-quantization of the projection
-weight that `dispatch.weights.quantize_after_step` does after an optimizer step (timed in the step, in
-bwd ms; the next forward reuses the copies). Per shape and path:
+cache must re-quantize); on the mxfp8 path the step ends with the refresh of W_UQ's persistent MXFP8
+copies that `WeightCopies.refresh_after` does after an optimizer step (timed in the step, in bwd ms;
+the next forward reads the copies). Per shape and path:
 - step ms: median of CUDA-event step times, the paths taking turns (--rounds rounds of --steps steps
   each, after warm-up), so clock drift weighs on all paths alike; fwd / bwd ms likewise, from events
   around the forward; each step is synchronized, so a forward bound by its host issue time shows;
@@ -176,7 +176,7 @@ class Bench:
         if self.bump is not None:  # an optimizer step would change every weight: per-step caches refresh
             for p in self.params:
                 self.bump(p)
-        if self.requantize is not None:  # the mxfp8 path's weight copies, made as quantize_after_step does
+        if self.requantize is not None:  # the mxfp8 path's weight copies, refreshed as refresh_after's step hook does
             self.requantize()
         if events:
             events[2].record()

@@ -17,7 +17,7 @@ the layer's time. Input [B=1, S=4096, 7168] bf16 (--batch, --seq), cos / sin fro
 embedding, mask None (sdpa: causal). One step is a training step of the layer: forward, backward
 (dL/dout a fixed random tensor; gradients of the input and of every weight), and an optimizer step
 updating every weight in place (torch.optim.SGD, lr 1e-7, foreach: p -= 1e-7 * grad). The mxfp8 rows
-register that optimizer for the patched layer's weight copies (`patch_state(layer).refresh_after`), as
+register that optimizer for the patched layer's weight copies (`patch_deepseek_v3(..., optimizer=)`), as
 a training loop does: each step re-quantizes q_b_proj's weight into the copies once, inside the timed
 step (the optimizer's step hook), and the forward (eager or compiled) reads them.
 Rows, timed in turns in one process: unpatched (HF's sdpa attention), mxfp8 and bf16 (patched),

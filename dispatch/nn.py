@@ -16,7 +16,8 @@ and replaces the last two lines:
 
 Paths:
 - "mxfp8": RMSNorm straight to MXFP8 (`rmsnorm_mxfp8`, rowwise + columnwise), the weight's MXFP8
-  copies from `dispatch.weights.quantized_weight` (quantized once per weight update), and the fused
+  copies (quantized once per weight update: `MLAQProjection`'s persistent `dispatch.weights.WeightCopies`,
+  or `dispatch.weights.quantized_weight`'s cache where `mla_q_projection` is given none), and the fused
   up-projection + RoPE + quantize (`mla_q_uproj_rope_quant`; its MXFP8 backward by default). Without a
   norm weight the input is quantized with `mxfp8_quantize` instead (q_lora_rank None: x = h). q is the
   TrackedMXTensor blocked along the head dim, which `MLAAttention` / `mla_attention` take as is.

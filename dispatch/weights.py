@@ -42,8 +42,9 @@ the backward, while the GPU still runs it, instead of in the forward (`requantiz
 gradient rule of the proxy (scatter back through `rows`, cast to w's dtype), for a graph node that
 takes w itself as an input (dispatch.q_path: the query path with RMSNorm as one node).
 
-Fresh tensors are allocated on every re-quantization (never written in place), so a copy saved by an
-autograd graph still in flight stays valid after the weight changes.
+The cache allocates fresh tensors on every re-quantization (never writes in place), so a copy saved by
+an autograd graph still in flight stays valid after the weight changes (`WeightCopies` writes its
+buffers in place instead: see its docstring).
 
 torch.compile: inside a compiled region the cache (Python state keyed by `_version`) is not traced;
 `quantized_weight` quantizes the weight in the graph on every call through `mxag.mxfp8_quantize` (same

@@ -1,6 +1,6 @@
 """How an autotuned Triton kernel picks its launch config: a heuristic, a recorded table, or timing.
 
-Every autotuned kernel is made by `tuned(configs, key, heuristic)`: Triton's autotuner over `configs`
+Every autotuned kernel is made by `tuned(configs=, key=, heuristic=)`: Triton's autotuner over `configs`
 with `key`, plus a heuristic, heuristic(configs, named arguments of the launch) -> one of `configs`
 (so that every route compiles variants of the one list). What a launch runs:
 
