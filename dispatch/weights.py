@@ -354,7 +354,8 @@ class WeightCopies(torch.nn.Module):
         """Quantize w (w[rows]) now into the buffers, in place."""
         _check_weight(w)
         if _is_dtensor(w) or torch.compiler.is_compiling():
-            raise TypeError("w: WeightCopies.refresh quantizes a plain weight outside torch.compile")
+            got = "a DTensor" if _is_dtensor(w) else "a call inside torch.compile"
+            raise TypeError(f"w: WeightCopies.refresh quantizes a plain weight outside torch.compile, got {got}")
         if tuple(w.shape) != tuple(self.row_codes.shape):
             raise ValueError(f"w: expected shape {tuple(self.row_codes.shape)} (the copies'), got {tuple(w.shape)}")
         if w.device != self.row_codes.device:

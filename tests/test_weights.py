@@ -292,6 +292,14 @@ def test_weight_copies_bad_shape_names_the_argument(shape, match):
         mxw.WeightCopies(shape)
 
 
+def test_weight_copies_refresh_under_compile_names_the_argument(monkeypatch):
+    copies = mxw.WeightCopies((64, 64))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(TypeError, match="w: WeightCopies.refresh quantizes a plain weight outside torch.compile, "
+                                        "got a call inside torch.compile"):
+        copies.refresh(torch.zeros(64, 64))
+
+
 def test_triton_interpreter_reads_the_transposed_col():
     """The Triton MXFP8 backward takes w_col's [K, N] view as its K-major GEMM operand: same dw as
     the torch backend given the same codes (both GEMMs exact-sum then one bf16 rounding)."""
