@@ -92,6 +92,8 @@ def parse_args(argv=None):
                     help="with --first-step(-only): a third process (caches filled) runs the first step under "
                          "cProfile and reports its N costliest functions (own and cumulative time)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
+    ap.add_argument("--kernel-top", type=int, default=14, metavar="N",
+                    help="kernels listed per path in the GPU-time tables (their total counts every kernel)")
     ap.add_argument("--host-profile", action="store_true", help="also a host-time table by op per path")
     ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
     benchlib.add_common_args(ap, tokens_axis=None)
@@ -538,7 +540,7 @@ def measure(rec: benchlib.Recorder, args) -> None:
                         rec.note(f"{label} {path} first step ({key}): {fs[key]}")
             rec.row(**row)
             if not args.no_profile:
-                table, total = kernel_table(bench)
+                table, total = kernel_table(bench, top=args.kernel_top)
                 rec.note(f"{label} {path}: GPU time by kernel, one step ({total:.3f} ms of kernels)")
                 for name, ms, share in table:
                     rec.note(f"    {ms:8.3f} ms {share * 100:5.1f} %  {name[:110]}")
