@@ -56,6 +56,7 @@ from torch import Tensor, nn
 import dispatch.autograd as mxag
 from dispatch.q_path import rmsnorm_mla_q, rmsnorm_mla_q_traced
 from dispatch.weights import WeightCopies, quantized_weight
+from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
 
@@ -136,6 +137,7 @@ def mla_q_projection(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, *, nor
     Without them a compiled graph quantizes the weight in every forward."""
     _check_choice("path", path, PATHS)
     _check_choice("rope_style", rope_style, ROPE_STYLES)
+    require_bool("quantize_grad", quantize_grad)
     if not isinstance(x, Tensor) or x.dim() < 2:
         raise ValueError(f"x: expected a tensor [..., K] with at least 2 dims, got "
                          f"{tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
@@ -206,6 +208,7 @@ class MLAQProjection(nn.Module):
         super().__init__()
         _check_choice("path", path, PATHS)
         _check_choice("rope_style", rope_style, ROPE_STYLES)
+        require_bool("quantize_grad", quantize_grad)
         self.in_features, self.num_heads = int(in_features), int(num_heads)
         self.path, self.rope_style, self.eps = path, rope_style, float(eps)
         self.quantize_grad, self.backend = bool(quantize_grad), backend

@@ -137,6 +137,23 @@ def test_convert_rejects_bad_arguments(change, message):
         tt.convert_deepseek_v3(object())
 
 
+@pytest.mark.parametrize("value", ["no", 1, 0, None, 1.0], ids=repr)
+def test_quantize_grad_must_be_a_bool(value):
+    """Every entry refuses a non-bool, naming the argument or config field, never coercing it."""
+    want = rf"quantize_grad: expected a bool, got {type(value).__name__}"
+    with pytest.raises(TypeError, match="^" + want):
+        tt.convert_deepseek_v3(tm.deepseek_v3_config(), quantize_grad=value)
+    with pytest.raises(TypeError, match="^" + want):
+        tt.mxmla_attention(tm.deepseek_v3_config().layers[0].attention, quantize_grad=value)
+    with pytest.raises(TypeError, match="^MXMLAConverter.Config." + want):
+        tt.MXMLAConverter.Config(quantize_grad=value).build()
+    cfg = tt.convert_deepseek_v3(tm.deepseek_v3_config(), path="bf16", quantize_grad=False).layers[0].attention
+    assert type(cfg) is tt.MXMLAAttention.Config and cfg.quantize_grad is False
+    cfg.quantize_grad = value  # a config edited after conversion
+    with pytest.raises(TypeError, match="^MXMLAAttention.Config." + want):
+        tt.MXMLAAttention(cfg)
+
+
 def _edit(cfg, fn):
     for layer in cfg.layers:
         fn(layer.attention)

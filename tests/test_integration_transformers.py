@@ -467,6 +467,14 @@ def test_other_head_dims_raise_naming_the_config_field(field, value):
         patch_deepseek_v3(ref, path="bf16")
 
 
+@pytest.mark.parametrize("value", ["no", 1, 0, None, 1.0], ids=repr)
+def test_quantize_grad_must_be_a_bool(value):
+    model = tiny_model()
+    with pytest.raises(TypeError, match=rf"^quantize_grad: expected a bool, got {type(value).__name__}"):
+        patch_deepseek_v3(model, quantize_grad=value)
+    assert patch_state(patch_deepseek_v3(model, quantize_grad=False)).quantize_grad is False  # nothing was patched
+
+
 def test_patch_time_errors():
     with pytest.raises(ValueError, match="config.q_lora_rank"):
         patch_deepseek_v3(tiny_model(q_lora_rank=48), path="mxfp8")

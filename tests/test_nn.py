@@ -409,6 +409,23 @@ def test_q_node_only_for_plain_eager_calls_with_norm_and_mxfp8_backward(case, mo
     assert len(calls) == 1, f"{case}: the node ran"
 
 
+NOT_BOOLS = ["no", 1, 0, None, 1.0]  # truthy or falsy, never a bool: refused, not coerced
+
+
+@pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
+@pytest.mark.parametrize("path", ["mxfp8", "bf16"])
+def test_quantize_grad_must_be_a_bool(value, path):
+    gen = torch.Generator().manual_seed(16)
+    m = _module(path)
+    x, cos, sin = _inputs(gen)
+    with pytest.raises(TypeError, match=rf"^quantize_grad: expected a bool, got {type(value).__name__}"):
+        mxnn.MLAQProjection(m.in_features, m.num_heads, path=path, quantize_grad=value)
+    with pytest.raises(TypeError, match=rf"^quantize_grad: expected a bool, got {type(value).__name__}"):
+        mxnn.mla_q_projection(x, m.weight, cos, sin, norm_weight=m.norm_weight, path=path, quantize_grad=value,
+                              backend="torch")
+    assert mxnn.MLAQProjection(m.in_features, m.num_heads, path=path, quantize_grad=False).quantize_grad is False
+
+
 def test_q_node_argument_errors_name_the_argument():
     gen = torch.Generator().manual_seed(15)
     m = _module("mxfp8")

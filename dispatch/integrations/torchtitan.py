@@ -77,6 +77,7 @@ import dispatch.autograd as mxag
 from dispatch.nn import PATHS, mla_q_projection
 from dispatch.policy import parse_backend_list
 from dispatch.weights import adopt, cached_copy, invalidate, optimizer_generation
+from spec.checks import require_bool
 
 try:  # the optional extra `.[torchtitan]`
     from torch.nn.attention.flex_attention import BlockMask, and_masks
@@ -288,6 +289,7 @@ class MXMLAAttention(Attention):
 
     def __init__(self, config: Config):
         _check_config(config, config.path)
+        require_bool("MXMLAAttention.Config.quantize_grad", config.quantize_grad)
         super().__init__(config)
         self.path, self.backend, self.quantize_grad = config.path, config.backend, bool(config.quantize_grad)
         self.mxmla_fallbacks: Counter = Counter()
@@ -468,6 +470,7 @@ def convert_deepseek_v3(model_config, path: str = "mxfp8", backend: Optional[str
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     if backend is not None:
         parse_backend_list(backend, "backend")  # a bad name raises here, not at the first forward
+    require_bool("quantize_grad", quantize_grad)
     if not hasattr(model_config, "traverse"):
         raise TypeError(f"model_config: expected a TorchTitan Configurable.Config tree, got "
                         f"{type(model_config).__name__}")
@@ -509,6 +512,7 @@ class MXMLAConverter(ModelConfigConverter):
             raise ValueError(f"MXMLAConverter.Config.path: expected one of {PATHS}, got {config.path!r}")
         if config.backend is not None:
             parse_backend_list(config.backend, "MXMLAConverter.Config.backend")
+        require_bool("MXMLAConverter.Config.quantize_grad", config.quantize_grad)
         self.config = config
 
     def convert(self, model_config):
@@ -519,6 +523,7 @@ class MXMLAConverter(ModelConfigConverter):
 @override(target=Attention.Config, description="DeepSeek-V3 MLA through mxmla (MXFP8 query path and attention).")
 def mxmla_attention(cfg, path: str = "mxfp8", backend: Optional[str] = None, quantize_grad: bool = True):
     """`--override.imports dispatch.integrations.torchtitan.mxmla_attention` (kwargs as JSON)."""
+    require_bool("quantize_grad", quantize_grad)
     return _derive(cfg, path, backend, quantize_grad)
 
 

@@ -111,6 +111,7 @@ import dispatch.autograd as mxag
 from dispatch.nn import PATHS, MLAAttention, mla_q_projection, neox_rows
 from dispatch.policy import parse_backend_list
 from dispatch.weights import WeightCopies
+from spec.checks import require_bool
 
 try:  # the optional extra `.[hf]`
     from transformers import cache_utils as _hf_cache
@@ -369,6 +370,7 @@ def patch_deepseek_v3(model: nn.Module, path: str = "mxfp8", backend: Optional[s
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
     if backend is not None:
         parse_backend_list(backend, "backend")  # a bad name raises here, not at the first forward
+    require_bool("quantize_grad", quantize_grad)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if not isinstance(model, nn.Module):
