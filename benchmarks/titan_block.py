@@ -32,6 +32,10 @@ converted model must be within 2 % of stock's. Before compiling, one eager forwa
 model checks that every layer is served by mxmla (no fallback).
 
 JSON goes to --out (a folder: titan_block.json inside it; or a file path). The table is printed last.
+
+Torch 2.11: TorchTitan 0.3.0 imports names that torch 2.12 added; tests/titan_compat.py stands in for
+those that this run only imports (never calls), before TorchTitan is imported, and says so on stderr and
+in the JSON's torch_stand_ins (empty on a torch that has them).
 """
 from __future__ import annotations
 
@@ -180,6 +184,9 @@ def time_steps(steps: dict, args, cuda: bool) -> dict:
 def run(args) -> dict:
     from hf_layer import MarkovData
 
+    from tests import titan_compat
+
+    stand_ins = titan_compat.install()  # before TorchTitan is imported: torch 2.11 lacks names it imports
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     if not dist.is_initialized():  # FSDP2 needs a process group, as TorchTitan at world size 1
@@ -188,7 +195,7 @@ def run(args) -> dict:
     positions = torch.arange(args.seq, device=device).repeat(args.batch, 1)
     data = MarkovData(args.vocab)
     res = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
-           "torch": torch.__version__, "smoke": args.smoke, "args": vars(args)}
+           "torch": torch.__version__, "torch_stand_ins": stand_ins, "smoke": args.smoke, "args": vars(args)}
 
     models = {"stock": build(stock_cfg, device, args.smoke), "mxfp8": build(converted_cfg, device, args.smoke)}
     mask = _mask(args, models["stock"], positions)

@@ -14,16 +14,20 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block_mask, create_mask
 
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.common.attention import (
+from tests import titan_compat
+
+titan_compat.install()  # before torchtitan's imports: torch 2.11 lacks names TorchTitan 0.3.0 imports
+
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     VarlenAttention,
     VarlenMetadata,
     get_causal_mask_mod,
     get_efficient_causal_mask_mod_for_packed_document,
 )
-from torchtitan.models.common.config_utils import make_ffn_config
-from torchtitan.models.deepseek_v3 import (
+from torchtitan.models.common.config_utils import make_ffn_config  # noqa: E402
+from torchtitan.models.deepseek_v3 import (  # noqa: E402
     _EMBEDDING_INIT,
     _LINEAR_INIT,
     _NORM_INIT,
@@ -31,7 +35,7 @@ from torchtitan.models.deepseek_v3 import (
     _output_linear_init,
     make_mla_attention_config,
 )
-from torchtitan.models.deepseek_v3.model import DeepSeekV3Model, DeepSeekV3TransformerBlock
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model, DeepSeekV3TransformerBlock  # noqa: E402
 
 
 class DenseFlexAttention(FlexAttention):
