@@ -95,7 +95,8 @@ try:  # the optional extra `.[torchtitan]`
     from torchtitan.protocols.model import ModelConfigConverter
 except ImportError as _error:  # pragma: no cover - exercised only without torchtitan
     raise ImportError("dispatch.integrations.torchtitan needs TorchTitan: pip install 'mxmla[torchtitan]' "
-                      f"(torchtitan==0.3.0); import failed with: {_error}") from _error
+                      f"(torchtitan==0.3.0, which imports names torch 2.12 added; this is torch "
+                      f"{torch.__version__}); import failed with: {_error}") from _error
 
 __all__ = ["MXMLAAttention", "MXMLAConverter", "MXMLASelectiveAC", "convert_deepseek_v3", "mxmla_attention",
            "mxmla_save_ops"]
