@@ -35,7 +35,9 @@ JSON goes to --out (a folder: titan_block.json inside it; or a file path). The t
 
 Torch 2.11: TorchTitan 0.3.0 imports names that torch 2.12 added; tests/titan_compat.py stands in for
 those that this run only imports (never calls), before TorchTitan is imported, and says so on stderr and
-in the JSON's torch_stand_ins (empty on a torch that has them).
+in the JSON's torch_stand_ins (empty on a torch that has them). Decoder.get_attention_masks passes
+create_block_mask a separate_full_blocks that 2.11 lacks: there the documents mask is the same BlockMask
+built by the tests' document_block_mask (the JSON's mask_built_by says which).
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def run(args) -> dict:
            "torch": torch.__version__, "torch_stand_ins": stand_ins, "smoke": args.smoke, "args": vars(args)}
 
     models = {"stock": build(stock_cfg, device, args.smoke), "mxfp8": build(converted_cfg, device, args.smoke)}
-    mask = _mask(args, models["stock"], positions)
+    mask, res["mask_built_by"] = _mask(args, models["stock"], positions)
     res["check"] = served_eagerly(converted_cfg, (data.batch(0, args.batch, args.seq).to(device), positions, mask),
                                   device)
     opts = {n: torch.optim.AdamW(m.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
@@ -230,18 +232,35 @@ def run(args) -> dict:
 
 
 def _mask(args, model, positions):
-    """TorchTitan's own mask for these positions, or its causal mask alone (--mask); built uncompiled on
-    the CPU (--smoke)."""
+    """(mask, what built it): TorchTitan's own mask for these positions, or its causal mask alone (--mask);
+    built uncompiled on the CPU (--smoke).
+
+    Torch 2.11's create_block_mask has no separate_full_blocks, which Decoder.get_attention_masks passes
+    (True outside TorchTitan's batch-invariant mode). 2.11 always keeps the full blocks apart, so there the
+    tests' document_block_mask builds the same BlockMask (the same mask_mods and block size), uncompiled."""
+    import inspect
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
     from tests import titan_models
 
     if args.smoke:
-        return (titan_models.document_block_mask(positions) if args.mask == "documents" else
-                titan_models.causal_block_mask(args.batch, args.seq))
+        return ((titan_models.document_block_mask(positions), "tests.titan_models.document_block_mask")
+                if args.mask == "documents" else
+                (titan_models.causal_block_mask(args.batch, args.seq), "tests.titan_models.causal_block_mask"))
     if args.mask == "documents":
-        return model.get_attention_masks(positions)
+        if "separate_full_blocks" in inspect.signature(create_block_mask).parameters:
+            return model.get_attention_masks(positions), "Decoder.get_attention_masks"
+        print(f"titan_block: torch {torch.__version__}'s create_block_mask has no separate_full_blocks, which "
+              "Decoder.get_attention_masks passes; the same mask by tests.titan_models.document_block_mask",
+              file=sys.stderr)
+        block_size = model.config.first_attention.inner_attention.block_size
+        return (titan_models.document_block_mask(positions, block_size),
+                "tests.titan_models.document_block_mask (torch lacks separate_full_blocks)")
     from torchtitan.models.common.attention import create_attention_mask, get_causal_mask_mod
 
-    return create_attention_mask(get_causal_mask_mod(), args.batch, None, args.seq, args.seq, device=positions.device)
+    return (create_attention_mask(get_causal_mask_mod(), args.batch, None, args.seq, args.seq,
+                                  device=positions.device), "create_attention_mask(get_causal_mask_mod())")
 
 
 def table(res: dict) -> str:

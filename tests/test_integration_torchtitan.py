@@ -633,6 +633,31 @@ def test_titan_block_benchmark_smoke(tmp_path):
     assert "within 2 %: yes" in proc.stdout
 
 
+def test_titan_block_documents_mask_is_torchtitans():
+    """The GPU run's --mask documents: Decoder.get_attention_masks' BlockMask where torch takes its
+    separate_full_blocks; on torch 2.11 (which lacks it) the tests' document_block_mask, which must build
+    the same blocks (checked against TorchTitan's where both build)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import titan_block
+
+    from torchtitan.models.common.attention import FlexAttention
+
+    model = tm.build(tm.deepseek_v3_config(inner_attention=FlexAttention.Config()))
+    positions = tm.packed_positions(B, 512, [300, 212, 64])
+    mask, built_by = titan_block._mask(titan_block.parse_args(["--seq", "512", "--batch", str(B)]), model, positions)
+    ours = tm.document_block_mask(positions)
+    takes_it = "separate_full_blocks" in inspect.signature(create_block_mask).parameters
+    assert built_by.startswith("Decoder.get_attention_masks" if takes_it else "tests.titan_models.document_block_mask")
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+    assert mask.BLOCK_SIZE == ours.BLOCK_SIZE and mask.shape == ours.shape
+    assert all(torch.equal(getattr(mask, f), getattr(ours, f)) for f in fields)
+    assert ours.full_kv_num_blocks is not None and ours.full_kv_num_blocks.sum() > 0  # full blocks kept apart
+
+
 def test_weights_adopt_makes_an_entry_current_for_new_storage():
     import dispatch.weights as dw
 

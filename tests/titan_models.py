@@ -112,12 +112,13 @@ def causal_block_mask(batch: int, seq: int) -> BlockMask:
     return create_block_mask(get_causal_mask_mod(), batch, None, seq, seq, device="cpu")
 
 
-def document_block_mask(positions) -> BlockMask:
-    """TorchTitan's causal + packed-document mask (Decoder._create_flex_attention_mask_for_document),
-    built uncompiled."""
+def document_block_mask(positions, block_size: int = 128) -> BlockMask:
+    """TorchTitan's causal + packed-document mask (Decoder._create_flex_attention_mask_for_document, whose
+    full blocks are kept apart as create_block_mask's default does), built uncompiled on positions'
+    device."""
     batch, seq = positions.shape
     mods = and_masks(get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions))
-    return create_block_mask(mods, batch, None, seq, seq, device="cpu")
+    return create_block_mask(mods, batch, None, seq, seq, device=positions.device, BLOCK_SIZE=block_size)
 
 
 def packed_positions(batch: int, seq: int, lengths) -> torch.Tensor:
