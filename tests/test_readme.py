@@ -12,6 +12,8 @@ from urllib.parse import unquote
 import pytest
 import torch
 
+from tests import titan_compat
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -33,8 +35,10 @@ OWN_PACKAGES = {"dispatch", "spec", "backends"}
 
 def unavailable_imports(source: str):
     """The snippet's imports of optional packages that do not import here, each with why (absent, or
-    present but failing to import: TorchTitan 0.3.0 on torch < 2.12). The project's own packages are
-    never excused: their import errors fail the test."""
+    present but failing to import: TorchTitan 0.3.0 on torch < 2.12; or TorchTitan importing only
+    through tests/titan_compat.py's stand-ins, which the TorchTitan tests install in this process on such
+    a torch and a user's does not have). The project's own packages are never excused: their import
+    errors fail the test."""
     modules = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -45,6 +49,10 @@ def unavailable_imports(source: str):
     for name in sorted(m for m in modules if m.split(".")[0] not in OWN_PACKAGES):
         if importlib.util.find_spec(name.split(".")[0]) is None:
             reasons.append(f"{name} (not installed)")
+            continue
+        if name.split(".")[0] == "torchtitan" and titan_compat.stood_in():  # a user's torch has no stand-ins
+            reasons.append(f"{name} (imports here only through the TorchTitan tests' stand-ins for "
+                           f"{', '.join(titan_compat.stood_in())}: torch {torch.__version__} lacks them)")
             continue
         try:
             importlib.import_module(name)
@@ -112,5 +120,16 @@ def test_a_snippet_whose_optional_package_fails_to_import_is_excused(monkeypatch
 
     monkeypatch.setattr(importlib, "import_module", failing)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(titan_compat, "stood_in", lambda: [])
     source = "from torchtitan.models.deepseek_v3 import model_registry\nfrom dispatch.integrations.torchtitan import X\n"
     assert unavailable_imports(source) == ["torchtitan.models.deepseek_v3 (cannot import name 'DataParallelMeshDims')"]
+
+
+def test_a_torchtitan_snippet_is_excused_where_it_imports_only_through_the_tests_stand_ins(monkeypatch):
+    """On torch 2.11 the TorchTitan tests stand in for names TorchTitan imports (tests/titan_compat.py);
+    a README snippet is a user's code, which has no stand-ins, so it is not run with them."""
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(titan_compat, "stood_in", lambda: ["torch.distributed.fsdp.DataParallelMeshDims"])
+    (reason,) = unavailable_imports("from torchtitan.models.deepseek_v3 import model_registry\n")
+    assert reason.startswith("torchtitan.models.deepseek_v3 (imports here only through the TorchTitan tests' "
+                             "stand-ins for torch.distributed.fsdp.DataParallelMeshDims")

@@ -57,6 +57,11 @@ def missing() -> List[Tuple[str, str]]:
             if not hasattr(importlib.import_module(module), name)]
 
 
+def stood_in() -> List[str]:
+    """The qualified names stood in so far in this process (none until install() found one missing)."""
+    return list(_installed)
+
+
 def install() -> List[str]:
     """Install a stand-in for each name this torch lacks (nothing on torch >= 2.12), printing one line to
     stderr for each the first time. Returns the qualified names stood in so far in this process."""
@@ -68,4 +73,4 @@ def install() -> List[str]:
         _installed.append(f"{module}.{name}")
         print(f"titan_compat: torch {_torch_version()} lacks {module}.{name}, which torchtitan 0.3.0 imports; "
               f"stood in by a class that raises when built. Safe here: {why}", file=sys.stderr)
-    return list(_installed)
+    return stood_in()
