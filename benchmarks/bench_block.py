@@ -494,6 +494,10 @@ def measure(rec: benchlib.Recorder, args) -> None:
     for b, s in args.shape_list:
         cfg = block_config(b, s, args.smoke)
         label = f"B{b} S{s}"
+        # Each shape's compiled paths compile afresh: without a reset every path and shape recompiles
+        # the same forward code (sizes turn dynamic, then dynamo's recompile limit sends the later
+        # ones to eager), which would time something else than a user's one-shape compile.
+        torch._dynamo.reset()
         benches = {}
         for path in args.paths:
             try:

@@ -14,6 +14,8 @@ validation (spec's validators ran on the traced shapes when the choice was made)
 
 What a resolved choice fixes at trace time, and so for the life of the compiled graph (dynamo's guards
 on shapes, dtypes and devices recompile it when those change):
+- the sizes: a size torch.compile marked dynamic is specialized where a choice reads it (a capability
+  can depend on it), so each new shape of a resolved op compiles once;
 - the MXMLA_BACKEND value and `backend=` argument of the trace; a later change of MXMLA_BACKEND
   takes effect on the next trace (`torch._dynamo.reset()`), not on the running graph;
 - data-pointer alignment: traced tensors have no address, so the choice assumes 16-byte-aligned data
@@ -34,6 +36,7 @@ import functools
 from typing import Any, Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 import dispatch as _dispatch
 import backends as _backends
@@ -74,6 +77,13 @@ class _StandIn(torch.Tensor):
         raise RuntimeError(f"a stand-in for backend selection holds no data ({func})")
 
 
+def _concrete(n) -> int:
+    """A size as a Python int. A symbolic size (torch.compile's dynamic shapes) is specialized: the
+    trace guards on its value, so the choice is made per concrete shape (a capability can depend on a
+    size, e.g. S divisible by 32) and stays valid for the graph, and the description stays a constant."""
+    return int(guard_scalar(n))  # an int as it is (under dynamo, isinstance(n, torch.SymInt) is False)
+
+
 def _contiguous_strides(shape) -> Tuple[int, ...]:
     stride, step = [], 1
     for n in reversed(shape):
@@ -88,8 +98,9 @@ def describe(v: Any, contiguous: bool = False) -> Any:
     their parts, sequences element-wise, anything else as it is. Plain Python on metadata: dynamo
     traces it without a graph break."""
     if isinstance(v, torch.Tensor):
-        shape = tuple(v.shape)
-        return ("tensor", shape, _contiguous_strides(shape) if contiguous else tuple(v.stride()), v.dtype, v.device)
+        shape = tuple(_concrete(n) for n in v.shape)
+        stride = _contiguous_strides(shape) if contiguous else tuple(_concrete(n) for n in v.stride())
+        return ("tensor", shape, stride, v.dtype, v.device)
     if isinstance(v, MXTensor):
         return ("mx", describe(v.data), describe(v.scale), v.axis, v.elem, v.scale_layout)
     if isinstance(v, (tuple, list)):

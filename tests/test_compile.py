@@ -293,6 +293,33 @@ def test_block_compiled_trains_like_eager(path, monkeypatch):
     assert counter.calls == [], counter.calls
 
 
+@pytest.mark.parametrize("path", ["mxfp8", "bf16"])
+def test_block_compiled_at_changing_shapes_matches_eager(path):
+    """torch.compile (default dynamic=None) marks sizes dynamic once they change (here: one block per shape,
+    one forward code object); the trace-time backend
+    choice then specializes them (a choice can depend on a size), so each new shape compiles once
+    (fullgraph, no error) and every step's output and input gradient equal eager's bytes."""
+    import examples.mla_block as mb
+
+    torch._dynamo.reset()
+    small = mb.CONFIGS["small"]
+    for batch, seq in ((1, 64), (2, 64), (1, 96), (1, 128)):
+        cfg = mb.replace(small, batch=batch, seq=seq)  # the block is built per shape (its forward reads cfg)
+        model = mb.MLABlock(cfg, path).reset_parameters(0)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        cos, sin = mb.rope_tables(cfg, "cpu")
+        h, _ = mb.CopyTask(cfg, 0, "cpu").batch(0)
+        outs = []
+        for fn in (model, compiled):
+            x = h.clone().requires_grad_(True)
+            out = fn(x, cos, sin)
+            out.float().square().mean().backward()
+            outs.append((out.detach(), x.grad))
+            model.zero_grad(set_to_none=True)
+        for name, want, got in zip(("output", "input gradient"), outs[0], outs[1]):
+            assert_bytes_equal(got, want, f"B{batch} S{seq} {name}")
+
+
 def test_block_weight_copies_refreshed_in_place_once_per_step():
     """Compiled mxfp8 block with gradient accumulation (2 forwards a step): one refresh per optimizer
     step, into the same buffers, and after every step the copies equal a fresh quantization of the
