@@ -1,7 +1,6 @@
 """The background loader `import dispatch` starts: imports the backends and computes Triton's compiler
 fingerprint on a machine with a CUDA device, once, never on a CPU-only machine, switched off by
 MXMLA_BACKGROUND_LOAD=0, and a bad value does not break the import (the first selection raises)."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,12 +8,13 @@ from pathlib import Path
 import pytest
 
 import backends
+from tests.util import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    full = subprocess_env(ROOT, **env)
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=300,
                           cwd=str(ROOT))
 

@@ -620,9 +620,11 @@ def test_titan_block_benchmark_smoke(tmp_path):
     import subprocess
     import sys
 
+    from tests.util import subprocess_env
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "titan_block.json"
-    env = dict(os.environ, PYTHONPATH=repo)
+    env = subprocess_env(repo)  # the PYTHONPATH set is kept: it may hold torchtitan
     proc = subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "titan_block.py"), "--smoke", "--out",
                            str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -17,6 +17,15 @@ F8E5M2 = ml_dtypes.float8_e5m2
 TRITON_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def subprocess_env(root, **overrides) -> dict:
+    """os.environ for a child Python that imports this repository (`root`) first, with `overrides`: the
+    repository goes before the PYTHONPATH already set, which is kept (it may hold installed packages,
+    such as a site directory of optional extras)."""
+    env = dict(os.environ, **overrides)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
 @functools.lru_cache(maxsize=None)
 def triton_interpreter_unusable():
     """Why the installed Triton's interpreter cannot run mxmla's kernels here, or None. Triton's
