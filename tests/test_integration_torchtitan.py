@@ -459,6 +459,7 @@ def test_selective_ac_save_list_has_mxmla_ops():
 def _fsdp_rank(rank, world, path, steps, micro):
     """fully_shard per block and at the root (bf16 params, fp32 reduce), as TorchTitan's FSDP2; each
     rank runs half of every microbatch; gradient accumulation over `micro` microbatches per step."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dispatch.weights as dw
@@ -471,9 +472,11 @@ def _fsdp_rank(rank, world, path, steps, micro):
         p.data = p.data.to(torch.bfloat16)  # imaginary part
     model = tm.build(copy.deepcopy(cfg))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # a CPU mesh: fully_shard's default mesh takes the accelerator where there is one and moves the shards there
+    mesh = init_device_mesh("cpu", (world,))
     for block in model.layers.values():
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM (as TorchTitan on gloo)
 
     quantized = []

@@ -49,7 +49,11 @@ logging.getLogger("mxmla.integrations") and counted in `layer.mxmla_fallbacks` (
 mask_mod other than those above (sliding windows, fixed blocks, score mods, mappings of several masks),
 a document mask without positions, VarlenMetadata with a sliding window or different q / k offsets,
 masks None, on the mxfp8 path a sequence length that is not a multiple of 32, and context parallelism
-(mxmla's ring attention is not wired to TorchTitan's CP). Raised at conversion, naming the field: head
+(mxmla's ring attention is not wired to TorchTitan's CP). Where stock's `VarlenAttention` cannot be built
+(TorchTitan activates FlashAttention 3 for it on Hopper and 4 on Blackwell, and raises ImportError where
+that package is absent), the layer builds with a parameterless stand-in in its place (the same FQNs and
+state dict), logs why once, serves what mxmla serves, and raises a RuntimeError naming the missing package
+and the unservable setting for any call it would hand to stock's forward. Raised at conversion, naming the field: head
 dims other than 128 + 64 / 128, a RoPE other than ComplexRoPE, q_lora_rank (or dim when it is 0) not a
 multiple of 32 on the mxfp8 path, wq_b / wq with bias, q_norm without a weight, an unknown path.
 
@@ -66,7 +70,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import torch
@@ -276,6 +280,38 @@ def _drop_weight_copies(module, incompatible_keys) -> None:
     invalidate()
 
 
+class _UnbuiltVarlenAttention(VarlenAttention):
+    """In place of stock's `VarlenAttention` where it cannot be built (`unbuildable`): no parameters, as
+    stock's, so FQNs and state dicts are unchanged; calling it raises (MXMLAAttention raises first)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(VarlenAttention.Config):
+        unbuilt: str = ""
+        """Why stock's VarlenAttention could not be built."""
+
+    def __init__(self, config: Config) -> None:
+        super(VarlenAttention, self).__init__()  # not VarlenAttention's: it activates the missing kernel
+        self.window_size = config.window_size
+        self.unbuilt = config.unbuilt
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(self.unbuilt)
+
+
+def unbuildable(inner_config) -> Optional[str]:
+    """Why TorchTitan's inner attention `inner_config` cannot be built here, or None (it builds, or it
+    is not a VarlenAttention). Its build activates FlashAttention 3 (Hopper) or 4 (Blackwell) for
+    varlen_attn and raises ImportError where that package is absent."""
+    if not isinstance(inner_config, VarlenAttention.Config) or isinstance(inner_config, _UnbuiltVarlenAttention.Config):
+        return None
+    try:
+        inner_config.build()
+    except ImportError as error:
+        package = f" (package {error.name!r})" if getattr(error, "name", None) else ""
+        return (f"TorchTitan's VarlenAttention cannot be built here{package}: {type(error).__name__}: {error}")
+    return None
+
+
 class MXMLAAttention(Attention):
     """TorchTitan's DeepSeek-V3 `Attention` whose forward runs mxmla's MLA path (module docstring)."""
 
@@ -291,7 +327,19 @@ class MXMLAAttention(Attention):
     def __init__(self, config: Config):
         _check_config(config, config.path)
         require_bool("MXMLAAttention.Config.quantize_grad", config.quantize_grad)
+        unbuilt = unbuildable(config.inner_attention)
+        if unbuilt is not None:  # mxmla serves varlen itself: build without stock's kernel (module docstring)
+            inner = config.inner_attention
+            config = replace(config, inner_attention=_UnbuiltVarlenAttention.Config(window_size=inner.window_size,
+                                                                                    unbuilt=unbuilt))
+            if unbuilt not in _logged:  # once per reason, as the fallbacks
+                _logged.add(unbuilt)
+                log.warning("mxmla %s path: a DeepSeek-V3 Attention builds without stock's inner attention: %s; "
+                            "mxmla serves VarlenMetadata itself, a call it would hand to TorchTitan's forward "
+                            "raises", config.path, unbuilt)
         super().__init__(config)
+        self.stock_unbuilt: Optional[str] = unbuilt
+        """Why stock's inner attention could not be built (its calls then raise), or None."""
         self.path, self.backend, self.quantize_grad = config.path, config.backend, bool(config.quantize_grad)
         self.mxmla_fallbacks: Counter = Counter()
         self.mxmla_served = 0
@@ -395,6 +443,9 @@ class MXMLAAttention(Attention):
     def forward(self, x: Tensor, attention_masks, positions: Optional[Tensor] = None):
         reason, kind, causal = self._plan(x, attention_masks, positions)
         if reason is not None:
+            if self.stock_unbuilt is not None:
+                raise RuntimeError(f"mxmla {self.path} path cannot serve this call ({reason}), and TorchTitan's "
+                                   f"forward cannot run it: {self.stock_unbuilt}")
             self._fall_back(reason)
             return super().forward(x, attention_masks, positions)
         if not torch.compiler.is_compiling():
