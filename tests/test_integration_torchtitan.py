@@ -301,6 +301,9 @@ def test_unservable_calls_run_stock_with_a_logged_reason(case, caplog):
             model = _fallback_case("bf16", tm.document_block_mask(tm.packed_positions(B, S, [20])), None)
             reason = "without positions"
         elif case == "window":
+            unbuilt = tt.unbuildable(VarlenAttention.Config(window_size=(16, 0)))
+            if unbuilt is not None:  # test_builds_and_serves_varlen_without_stocks_kernel covers the converted side
+                pytest.skip(f"stock's forward cannot run here: {unbuilt}")
             meta = create_varlen_metadata_for_document(positions)
             # stock's varlen_attn has no CPU kernel: its own error shows stock's forward ran. Torch 2.11's
             # varlen_attn takes no num_splits, which TorchTitan 0.3.0 passes it: that TypeError shows it too.
@@ -318,6 +321,54 @@ def test_unservable_calls_run_stock_with_a_logged_reason(case, caplog):
     assert len(fallbacks) == 1 and reason in next(iter(fallbacks))
     logged = [r for r in caplog.records if r.name == "mxmla.integrations"]
     assert len(logged) == 1 and reason in logged[0].getMessage()  # once per reason, not per layer
+
+
+def _without_stock_varlen_kernel(monkeypatch):
+    """What TorchTitan's VarlenAttention meets on a Hopper GPU without FlashAttention 3, on any machine:
+    it asks for "FA3" and activating it fails importing FA3's package."""
+    import torchtitan.models.common.attention as attention
+    import torchtitan.tools.utils as utils
+
+    def activate(impl):
+        raise ModuleNotFoundError("No module named 'flash_attn_interface'", name="flash_attn_interface")
+
+    monkeypatch.setattr(utils, "get_cuda_flash_attention_impl", lambda: "FA3")
+    monkeypatch.setattr(attention, "current_flash_attention_impl", lambda: None)
+    monkeypatch.setattr(attention, "activate_flash_attention_impl", activate)
+
+
+def test_builds_and_serves_varlen_without_stocks_kernel(monkeypatch, caplog):
+    """Where stock's VarlenAttention cannot be built, the converted model builds (logged once, naming the
+    package), serves VarlenMetadata exactly as where it can, and raises naming the package and the
+    setting for a call it would hand to stock's forward."""
+    cfg = tm.deepseek_v3_config(inner_attention=VarlenAttention.Config())
+    served_cfg = tt.convert_deepseek_v3(copy.deepcopy(cfg), path="bf16")
+    reference = tm.build(copy.deepcopy(served_cfg))  # as this machine builds it
+    _without_stock_varlen_kernel(monkeypatch)
+    assert "flash_attn_interface" in tt.unbuildable(VarlenAttention.Config())
+    with pytest.raises(ModuleNotFoundError, match="flash_attn_interface"):
+        tm.build(copy.deepcopy(cfg))  # stock cannot build
+    tt._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="mxmla.integrations"):
+        converted = tm.build(copy.deepcopy(served_cfg))
+        windowed = tm.build(tt.convert_deepseek_v3(tm.deepseek_v3_config(
+            inner_attention=VarlenAttention.Config(window_size=(16, 0))), path="bf16"))
+    logged = [r.getMessage() for r in caplog.records if r.name == "mxmla.integrations"]
+    assert len(logged) == 1 and "flash_attn_interface" in logged[0]  # once, not per layer or model
+    attn = converted.layers["0"].attention
+    assert isinstance(attn.inner_attention, VarlenAttention) and "flash_attn_interface" in attn.stock_unbuilt
+    assert list(converted.state_dict()) == list(reference.state_dict())
+    tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(9))
+    positions = tm.packed_positions(B, S, [20, 7, 37])
+    meta = create_varlen_metadata_for_document(positions)
+    with torch.no_grad():
+        assert torch.equal(converted(tokens, positions, meta), reference(tokens, positions, meta))
+    assert _served(converted) == (2, Counter())
+    with pytest.raises(RuntimeError, match=r"window_size \(16, 0\).*'flash_attn_interface'"):
+        windowed(tokens, positions, meta)
+    with pytest.raises(RuntimeError, match=r"attention_masks: None.*'flash_attn_interface'"):
+        converted(tokens, positions, None)
+    assert _served(windowed) == (0, Counter())  # nothing ran stock's forward
 
 
 def test_context_parallel_runs_stock():
