@@ -104,6 +104,7 @@ def model_config(args):
 
 def build(cfg, device, smoke: bool):
     """A model as TorchTitan's parallelize sets it up at world size 1: blocks compiled, then FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchtitan.config import CompileConfig
     from torchtitan.distributed import ParallelDims
@@ -117,9 +118,11 @@ def build(cfg, device, smoke: bool):
     apply_compile(model, compile_config=CompileConfig(enable=True, backend="aot_eager" if smoke else "inductor"),
                   parallel_dims=dims)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # the run's device: fully_shard's default mesh takes the accelerator where there is one (--smoke is CPU)
+    mesh = init_device_mesh(torch.device(device).type, (1,))
     for block in model.layers.values():
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if smoke:
         model.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
