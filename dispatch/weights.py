@@ -71,6 +71,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 import dispatch as _dispatch
 from dispatch.policy import parse_backend_list
 from dispatch.autograd import NAMESPACE, TrackedMXTensor, grad_proxy, mxfp8_quantize, shared_grad_proxy
+from dispatch.transpose import transpose_bytes_into
 from spec.mxtensor import MXTensor
 
 __all__ = ["MXFP8Weight", "WeightCopies", "quantized_weight", "plain_copies", "weight_grad", "requantize", "quantize_after_step",
@@ -114,6 +115,14 @@ def _key(w: Tensor, backend: Optional[str], rows: Optional[Tensor] = None) -> tu
             _generation[0])
 
 
+def _quantize_both(w: Tensor, backend: Optional[str], rows: Optional[Tensor]) -> Tuple[MXTensor, MXTensor]:
+    """(row, col) of w (w[rows]) cast to bf16: one `dispatch.run` call, col blocked along N in w's own
+    [N, K] layout (not yet transposed). The rows were checked by the caller."""
+    with torch.no_grad():
+        src = w.detach() if rows is None else w.detach().index_select(0, rows)
+        return _dispatch.run("mxfp8_quantize", src.to(torch.bfloat16), backend=backend, **_QUANT)
+
+
 class MXFP8Weight:
     """The cached MXFP8 copies of one weight [N, K]: `row` (MXTensor blocked along K) and `col`
     (blocked along N, physically transposed), plain (untracked) MXTensors, and the `key` they were made
@@ -131,11 +140,12 @@ class MXFP8Weight:
         if rows is not None:
             _check_rows(rows, w.shape[0])  # here, not per call: it reads the rows (a device sync)
         key = _key(w, backend, rows)
-        with torch.no_grad():
-            src = w.detach() if rows is None else w.detach().index_select(0, rows)
-            row, col = _dispatch.run("mxfp8_quantize", src.to(torch.bfloat16), backend=backend, **_QUANT)
-            codes_t = col.data.t().contiguous()    # [K, N]
-            scales_t = col.scale.t().contiguous()  # [K, N/32]
+        row, col = _quantize_both(w, backend, rows)
+        n, k = col.data.shape
+        codes_t = torch.empty(k, n, dtype=col.data.dtype, device=col.data.device)
+        scales_t = torch.empty(k, n // 32, dtype=col.scale.dtype, device=col.scale.device)
+        transpose_bytes_into(col.data, codes_t, backend=backend)
+        transpose_bytes_into(col.scale, scales_t, backend=backend)
         row = MXTensor(row.data.contiguous(), row.scale.contiguous(), 1, "e4m3", "compact")
         col = MXTensor(codes_t.t(), scales_t.t(), 0, "e4m3", "compact")
         return cls(key, row, col)
@@ -307,7 +317,9 @@ class WeightCopies(torch.nn.Module):
     Buffers (non-persistent: not in the state dict): `row_codes` [N, K] and `row_scales` [N, K/32] (w
     blocked along K), `col_codes_t` [K, N] and `col_scales_t` [K, N/32] (w blocked along N, stored
     transposed as `quantized_weight`'s columnwise copy), codes as uint8. The bytes are those of
-    `quantized_weight(w, rows=rows)`: one `mxfp8_quantize` call per refresh, copied into the buffers.
+    `quantized_weight(w, rows=rows)`: one `mxfp8_quantize` call per refresh, its rowwise copy copied
+    into the buffers and its columnwise copy transposed straight into them
+    (`dispatch.transpose.transpose_bytes_into`).
 
     When the copies are refreshed:
     - `refresh(w)`: now. The owning module calls it at construction and after `load_state_dict`.
@@ -360,13 +372,16 @@ class WeightCopies(torch.nn.Module):
             raise ValueError(f"w: expected shape {tuple(self.row_codes.shape)} (the copies'), got {tuple(w.shape)}")
         if w.device != self.row_codes.device:
             raise ValueError(f"w: expected device {self.row_codes.device} (the copies'), got {w.device}")
-        entry = MXFP8Weight.quantize(w, self.backend, rows)
+        if rows is not None:
+            _check_rows(rows, w.shape[0])
+        key = _key(w, self.backend, rows)
+        row, col = _quantize_both(w, self.backend, rows)
         with torch.no_grad():
-            self.row_codes.copy_(entry.row.data.view(torch.uint8))
-            self.row_scales.copy_(entry.row.scale)
-            self.col_codes_t.copy_(entry.col.data.view(torch.uint8).t())
-            self.col_scales_t.copy_(entry.col.scale.t())
-        self._key, self.made = entry.key, True
+            self.row_codes.copy_(row.data.view(torch.uint8))
+            self.row_scales.copy_(row.scale)
+        transpose_bytes_into(col.data, self.col_codes_t, backend=self.backend)
+        transpose_bytes_into(col.scale, self.col_scales_t, backend=self.backend)
+        self._key, self.made = key, True
         self.refreshes += 1
 
     def refresh_if_ready(self, w: Tensor, rows: Optional[Tensor] = None) -> bool:

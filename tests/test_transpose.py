@@ -1,0 +1,112 @@
+"""dispatch.transpose / backends.triton.transpose: a 1-byte tensor transposed into a given output, byte
+for byte equal to torch's `.t().contiguous()` (the Triton kernel, and torch's copy as the fallback)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dispatch.transpose as mxt
+from tests.util import TRITON_INTERPRETER, assert_bytes_equal, poisoned_empty, skip_without_triton_interpreter
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+# odd sizes (no multiple of a tile), single rows / columns, and [24576, 1536] (q_b_proj) scaled down
+SHAPES = [(1, 1), (1, 200), (200, 1), (37, 53), (65, 129), (96, 48), (768, 1536 // 32), (3072, 192)]
+BYTE_DTYPES = [torch.uint8, torch.float8_e4m3fn]
+
+
+def _use_triton(device: str) -> None:
+    if device == "cpu":
+        skip_without_triton_interpreter()
+    else:
+        pytest.importorskip("triton")
+        if TRITON_INTERPRETER:
+            pytest.skip("TRITON_INTERPRET=1: the kernels run on the CPU")
+
+
+def _bytes(shape, device, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(device)
+
+
+def _triton_transpose(src, out):
+    from backends.triton import transpose
+
+    assert not transpose.transpose_reasons(src, out)
+    return transpose.transpose_bytes_into(src, out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", BYTE_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_kernel_bytes_equal_torch_transpose(shape, dtype, device):
+    _use_triton(device)
+    src = _bytes(shape, device, seed=sum(shape)).view(dtype)
+    out = poisoned_empty(shape[::-1], dtype, device)
+    assert _triton_transpose(src, out) is out
+    assert_bytes_equal(out, src.t().contiguous(), f"{tuple(shape)} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_kernel_reads_and_writes_strided_views(device):
+    _use_triton(device)
+    base = _bytes((70, 300), device, seed=1)
+    src = base[3:, 5::3]                                  # neither stride contiguous-like: (300, 3)
+    big = poisoned_empty((src.shape[1] + 4, src.shape[0] * 2), torch.uint8, device)
+    out = big[2:-2, ::2]                                  # a strided output: (2 * rows, 2)
+    _triton_transpose(src, out)
+    assert_bytes_equal(out, src.t().contiguous(), "strided")
+    untouched = big.clone()
+    untouched[2:-2, ::2] = 0xFF
+    assert bool((untouched == 0xFF).all()), "bytes outside the output view were written"
+    src_t = _bytes((90, 40), device, seed=2).t()            # a transposed source: stride (1, 40)
+    out = poisoned_empty((90, 40), torch.uint8, device)
+    _triton_transpose(src_t, out)
+    assert_bytes_equal(out, src_t.t(), "transposed source")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatch_helper_writes_codes_into_a_uint8_buffer(device):
+    """The weight-copy case: float8 codes [N, K] into a uint8 buffer [K, N], by the Triton kernel where
+    it can run and torch's copy otherwise (backend='torch'); both the same bytes."""
+    if device == "cuda":
+        _use_triton(device)
+    src = _bytes((192, 96), device, seed=3).view(torch.float8_e4m3fn)
+    want = src.view(torch.uint8).t().contiguous()
+    for backend in (None, "torch"):
+        out = poisoned_empty((96, 192), torch.uint8, device)
+        assert mxt.transpose_bytes_into(src, out, backend=backend) is out
+        assert_bytes_equal(out, want, f"backend={backend}")
+
+
+def test_dispatch_helper_falls_back_to_torch_where_triton_cannot_serve(monkeypatch):
+    pytest.importorskip("triton")
+    from backends.triton import transpose
+
+    src, out = _bytes((33, 17), "cpu"), poisoned_empty((17, 33), torch.uint8, "cpu")
+    monkeypatch.setattr(transpose, "transpose_reasons", lambda s, o: ["inputs are on the CPU"])
+    monkeypatch.setattr(transpose, "transpose_bytes_into", lambda s, o: pytest.fail("the kernel ran"))
+    mxt.transpose_bytes_into(src, out)
+    assert_bytes_equal(out, src.t().contiguous(), "fallback")
+
+
+def test_triton_kernel_not_used_when_the_backend_request_excludes_it(monkeypatch):
+    pytest.importorskip("triton")
+    from backends.triton import transpose
+
+    monkeypatch.setattr(transpose, "transpose_bytes_into", lambda s, o: pytest.fail("the kernel ran"))
+    src, out = _bytes((8, 40), "cpu"), poisoned_empty((40, 8), torch.uint8, "cpu")
+    mxt.transpose_bytes_into(src, out, backend="torch")
+    assert_bytes_equal(out, src.t().contiguous(), "backend=torch")
+
+
+@pytest.mark.parametrize("src, out, exc, match", [
+    (torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(4, 6, dtype=torch.uint8), ValueError, "out: expected shape"),
+    (torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(6, 4, dtype=torch.uint8), TypeError, "src: expected 1-byte"),
+    (torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(6, 4, dtype=torch.int16), TypeError, "out: expected 1-byte"),
+    (torch.zeros(2, 4, 6, dtype=torch.uint8), torch.zeros(6, 4, dtype=torch.uint8), ValueError, "src: expected a 2-D"),
+    ([[1]], torch.zeros(1, 1, dtype=torch.uint8), TypeError, "src: expected a torch.Tensor"),
+])
+def test_bad_arguments_name_the_argument(src, out, exc, match):
+    with pytest.raises(exc, match=match):
+        mxt.transpose_bytes_into(src, out)
