@@ -16,8 +16,9 @@ from torch import Tensor
 
 import backends as _backends
 from backends import registry as _registry
+from backends import settings as _settings
 
-from .policy import parse_backend_list
+from .policy import parse_backend_list, split_entry
 
 __all__ = ["transpose_bytes_into"]
 
@@ -33,14 +34,29 @@ def _check(src, out) -> None:
     if tuple(out.shape) != (src.shape[1], src.shape[0]):
         raise ValueError(f"out: expected shape {(src.shape[1], src.shape[0])} (src {tuple(src.shape)} transposed), "
                          f"got {tuple(out.shape)}")
+    if any(stride == 0 and n > 1 for stride, n in zip(out.stride(), out.shape)):
+        raise ValueError(f"out: expected no element written twice, got strides {tuple(out.stride())} "
+                         f"for shape {tuple(out.shape)} (an expanded tensor)")
     if out.device != src.device:
         raise ValueError(f"out: expected src's device {src.device}, got {out.device}")
 
 
+_chosen: dict = {}  # (device, backend request, interpreter on) -> the Triton launcher or None
+
+
 def _triton_kernel(src: Tensor, out: Tensor, backend: Optional[str]):
-    """The Triton transpose when it may and can serve (src, out), else None."""
+    """The Triton transpose when it may and can serve (src, out), else None; decided once per device,
+    backend request and interpreter mode (what the decision reads of the tensors is their device)."""
+    key = (src.device, backend, _settings.interpret_mode())
+    kernel = _chosen.get(key, _chosen)
+    if kernel is _chosen:
+        kernel = _chosen[key] = _choose(src, out, backend)
+    return kernel
+
+
+def _choose(src: Tensor, out: Tensor, backend: Optional[str]):
     requested = parse_backend_list(backend, "backend") if backend is not None else None
-    if requested is not None and "triton" not in {entry.partition(":")[0] for entry in requested}:
+    if requested is not None and "triton" not in {split_entry(entry)[0] for entry in requested}:
         return None
     _backends.load()
     info = _registry.backend_infos().get("triton")

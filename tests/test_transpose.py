@@ -84,6 +84,7 @@ def test_dispatch_helper_falls_back_to_torch_where_triton_cannot_serve(monkeypat
     from backends.triton import transpose
 
     src, out = _bytes((33, 17), "cpu"), poisoned_empty((17, 33), torch.uint8, "cpu")
+    monkeypatch.setattr(mxt, "_chosen", {})  # the choice is kept per device: made afresh here
     monkeypatch.setattr(transpose, "transpose_reasons", lambda s, o: ["inputs are on the CPU"])
     monkeypatch.setattr(transpose, "transpose_bytes_into", lambda s, o: pytest.fail("the kernel ran"))
     mxt.transpose_bytes_into(src, out)
@@ -94,6 +95,7 @@ def test_triton_kernel_not_used_when_the_backend_request_excludes_it(monkeypatch
     pytest.importorskip("triton")
     from backends.triton import transpose
 
+    monkeypatch.setattr(mxt, "_chosen", {})
     monkeypatch.setattr(transpose, "transpose_bytes_into", lambda s, o: pytest.fail("the kernel ran"))
     src, out = _bytes((8, 40), "cpu"), poisoned_empty((40, 8), torch.uint8, "cpu")
     mxt.transpose_bytes_into(src, out, backend="torch")
@@ -106,7 +108,42 @@ def test_triton_kernel_not_used_when_the_backend_request_excludes_it(monkeypatch
     (torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(6, 4, dtype=torch.int16), TypeError, "out: expected 1-byte"),
     (torch.zeros(2, 4, 6, dtype=torch.uint8), torch.zeros(6, 4, dtype=torch.uint8), ValueError, "src: expected a 2-D"),
     ([[1]], torch.zeros(1, 1, dtype=torch.uint8), TypeError, "src: expected a torch.Tensor"),
+    (torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(6, 1, dtype=torch.uint8).expand(6, 4), ValueError,
+     "out: expected no element written twice"),
 ])
 def test_bad_arguments_name_the_argument(src, out, exc, match):
     with pytest.raises(exc, match=match):
         mxt.transpose_bytes_into(src, out)
+
+
+def test_plan_switches_to_64_bit_offsets_past_int32():
+    pytest.importorskip("triton")
+    from backends.triton.transpose import _plan
+
+    assert _plan(24576, 1536, 1536, 1, 24576, 1)[-1] is False
+    assert _plan(1 << 16, 1 << 15, 1 << 15, 1, 1 << 16, 1)[-1] is True  # 2^31 bytes
+    grid, tiles_c, block_r, block_c, _ = _plan(37, 200, 200, 1, 37, 1)
+    assert (block_r, block_c, tiles_c, grid) == (64, 64, 4, (4,))
+    assert _plan(1, 1, 1, 1, 1, 1)[2:4] == (16, 16)
+
+
+def test_weight_copies_write_the_transposed_copy_into_poisoned_buffers():
+    """WeightCopies.refresh transposes the columnwise copy straight into its buffers: every byte of
+    them is written, and equals the uncached quantization's copy transposed."""
+    import dispatch.autograd as mxag
+    import dispatch.weights as mxw
+
+    n, k = 96, 64
+    w = torch.nn.Parameter(torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05)
+    copies = mxw.WeightCopies((n, k))
+    for buf in (copies.row_codes, copies.row_scales, copies.col_codes_t, copies.col_scales_t):
+        buf.fill_(0xFF)
+    copies.refresh(w)
+    row, col = mxag.mxfp8_quantize(w.detach().to(torch.bfloat16), axis=(1, 0))
+    assert_bytes_equal(copies.row_codes, row.data.view(torch.uint8), "row codes")
+    assert_bytes_equal(copies.row_scales, row.scale, "row scales")
+    assert_bytes_equal(copies.col_codes_t, col.data.view(torch.uint8).t().contiguous(), "col codes")
+    assert_bytes_equal(copies.col_scales_t, col.scale.t().contiguous(), "col scales")
+    entry = mxw.MXFP8Weight.quantize(w)
+    assert_bytes_equal(entry.col.data.t(), copies.col_codes_t, "MXFP8Weight.quantize col codes")
+    assert entry.col.data.t().is_contiguous() and entry.col.scale.t().is_contiguous()

@@ -14,6 +14,7 @@ stride is 1, its stores when the output's is). Every output element is written o
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -40,12 +41,22 @@ def _transpose_kernel(src_ptr, dst_ptr, R, C, s_r, s_c, d_c, d_r, tiles_c,
     tl.store(dst_ptr + c[:, None] * d_c + r[None, :] * d_r, tl.trans(tile), mask=mask_t)
 
 
-def tiles(rows: int, cols: int):
-    """(BLOCK_R, BLOCK_C, num_warps) for a [rows, cols] source: 64 x 64 byte tiles (4 KiB, a 64-byte
-    run per tile row on each side), smaller where a side is shorter than a tile (a scale matrix)."""
-    block_r = min(64, max(16, triton.next_power_of_2(rows)))
-    block_c = min(64, max(16, triton.next_power_of_2(cols)))
-    return block_r, block_c, 4
+def _tile(n: int) -> int:
+    """A tile side for an axis of n elements: 64, or the power of two >= n (at least 16) below that."""
+    return min(64, max(16, 1 << (n - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(rows: int, cols: int, s_r: int, s_c: int, d_c: int, d_r: int):
+    """(grid, tiles along C, BLOCK_R, BLOCK_C, 64-bit offsets) of a launch, kept per shape and strides
+    (a refresh transposes the same two tensors every step): 64 x 64 byte tiles (4 KiB, a 64-byte run
+    per tile row on each side), smaller where a side is shorter than a tile (a scale matrix)."""
+    block_r, block_c = _tile(rows), _tile(cols)
+    tiles_c = cdiv(cols, block_c)
+    # the largest offset a lane computes, a tile's overhang included: past int32 -> 64-bit offsets
+    reach = max((rows + block_r) * abs(s_r) + (cols + block_c) * abs(s_c),
+                (cols + block_c) * abs(d_c) + (rows + block_r) * abs(d_r))
+    return (cdiv(rows, block_r) * tiles_c,), tiles_c, block_r, block_c, reach >= 2**31
 
 
 def transpose_reasons(src: torch.Tensor, out: torch.Tensor):
@@ -60,17 +71,11 @@ def transpose_bytes_into(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     rows, cols = src.shape
     if rows == 0 or cols == 0:
         return out
-    block_r, block_c, warps = tiles(rows, cols)
-    tiles_c = cdiv(cols, block_c)
-    grid = (cdiv(rows, block_r) * tiles_c,)
-    # the largest offset either side reaches, plus a tile's overhang: past int32 -> 64-bit offsets
-    reach = max((rows - 1) * abs(src.stride(0)) + (cols - 1) * abs(src.stride(1)),
-                (cols - 1) * abs(out.stride(0)) + (rows - 1) * abs(out.stride(1)))
-    idx64 = reach + 64 * (abs(src.stride(0)) + abs(src.stride(1)) + abs(out.stride(0)) + abs(out.stride(1))) >= 2**31
+    (s_r, s_c), (d_c, d_r) = src.stride(), out.stride()
+    grid, tiles_c, block_r, block_c, idx64 = _plan(rows, cols, s_r, s_c, d_c, d_r)
     s8, o8 = src.view(torch.uint8), out.view(torch.uint8)  # one compiled kernel for every byte type
     # the interpreter keeps launch state in module globals: one interpreted launch at a time
     with INTERPRETER_LOCK if interpret_mode() else contextlib.nullcontext():
-        fast_launch(_transpose_kernel, grid, s8, o8, rows, cols, src.stride(0), src.stride(1),
-                    out.stride(0), out.stride(1), tiles_c,
-                    BLOCK_R=block_r, BLOCK_C=block_c, IDX64=idx64, num_warps=warps)
+        fast_launch(_transpose_kernel, grid, s8, o8, rows, cols, s_r, s_c, d_c, d_r, tiles_c,
+                    BLOCK_R=block_r, BLOCK_C=block_c, IDX64=idx64, num_warps=4)
     return out
