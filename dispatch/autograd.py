@@ -84,6 +84,7 @@ from torch.utils import _python_dispatch
 
 import dispatch as _dispatch
 import dispatch.resolution as _resolution
+from dispatch import compile_cache as _compile_cache
 from backends import kept as _kept
 from spec.checks import require_bool
 from spec.constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM, MLA_V_HEAD_DIM, SWIZZLE_COLS, SWIZZLE_ROWS
@@ -106,6 +107,8 @@ __all__ = [
     "grad_proxy",
     "OPS",
 ]
+
+_compile_cache.tag()  # cached compiled graphs made under other versions of these ops' rules miss
 
 NAMESPACE = "mxmla"
 
@@ -956,25 +959,31 @@ def _kv_forward(k_nope, k_pe, v, cos, sin, layout, backend):
     return kq.data.view(torch.uint8), kq.scale, vq.data.view(torch.uint8), vq.scale
 
 
+def _kv_pe_grad(dk, cos, sin, layout, pe_shared, pe_dtype, backend):
+    """k_pe's gradient from k's: the composition's -- the slice, the sum over heads that expand's
+    backward takes for a shared k_pe (`pe_shared`: k_pe has one head and k_nope more; a flag, not a
+    head count, so that it holds on a rank's head shard too, where the sum is that rank's share), the
+    cast to k_pe's dtype, and the rope op's own backward when the op rotated k_pe."""
+    dk_pe = dk[..., _NOPE_DIM:]
+    if pe_shared:
+        dk_pe = dk_pe.sum(mla_kv_axes(layout)[1], keepdim=True)
+    dk_pe = dk_pe.to(pe_dtype)
+    if cos is not None:
+        # the rope op's own backward, on the gradient it would receive in the composition
+        dk_pe = _run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=layout,
+                     out_dtype=_DTYPE_NAMES[pe_dtype], backend=backend)
+    return dk_pe
+
+
 def _kv_grads(dk, dv, cos, sin, layout, pe_shared, dtypes, backend):
-    """(dk_nope, dk_pe, dv) from the gradients of k's and v's proxies (either may be None): the
-    composition's -- slices, the sum over heads that expand's backward takes for a shared k_pe
-    (`pe_shared`: k_pe has one head and k_nope more; a flag, not a head count, so that it holds on a
-    rank's head shard too, where the sum is that rank's share), casts to the inputs' dtypes, and the
-    rope op's own backward when the op rotated k_pe."""
+    """(dk_nope, dk_pe, dv) from the gradients of k's and v's proxies (either may be None): k_nope's
+    and v's are the slice and casts to the inputs' dtypes (views where no cast is needed), k_pe's
+    `_kv_pe_grad`."""
     nope_dtype, pe_dtype, v_dtype = dtypes
     dk_nope = dk_pe = None
     if dk is not None:
-        head = mla_kv_axes(layout)[1]
         dk_nope = dk[..., :_NOPE_DIM].to(nope_dtype)
-        dk_pe = dk[..., _NOPE_DIM:]
-        if pe_shared:
-            dk_pe = dk_pe.sum(head, keepdim=True)
-        dk_pe = dk_pe.to(pe_dtype)
-        if cos is not None:
-            # the rope op's own backward, on the gradient it would receive in the composition
-            dk_pe = _run("rope_backward", dk_pe.contiguous(), cos, sin, style="mla", layout=layout,
-                         out_dtype=_DTYPE_NAMES[pe_dtype], backend=backend)
+        dk_pe = _kv_pe_grad(dk, cos, sin, layout, pe_shared, pe_dtype, backend)
     return dk_nope, dk_pe, None if dv is None else dv.to(v_dtype)
 
 
@@ -1010,9 +1019,12 @@ class _KVQuant(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-# The same node as custom ops, for torch.compile: the forward one `mla_kv_quantize` and the backward
-# one op around `_kv_grads` (the head sum and rope_backward inside it, so a compiled backward computes
-# the eager one's bytes: a compiler's reduction could sum the heads in another order).
+# The same node as custom ops, for torch.compile: the forward one `mla_kv_quantize` and, in the
+# backward, one op for k_pe's gradient (`_kv_pe_grad`: the head sum and rope_backward inside it, so a
+# compiled backward computes the eager one's bytes: a compiler's reduction could sum the heads in
+# another order). k_nope's and v's gradients (a slice and casts) stay in the traced graph: a custom
+# op's outputs may not alias its inputs, so returning them from the op cost two copies, and in the
+# graph the compiler fuses them into their consumer (e.g. the slice backward of a [.., H, 256] projection).
 
 @torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8", mutates_args=())
 def _kv_op(k_nope: Tensor, k_pe: Tensor, v: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], layout: str,
@@ -1034,32 +1046,21 @@ def _(k_nope, k_pe, v, cos, sin, layout, backend):
             v.new_empty(_scale_shape(v_shape, seq, "compact"), dtype=torch.uint8))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8_backward", mutates_args=())
-def _kv_backward_op(dk: Optional[Tensor], dv: Optional[Tensor], cos: Optional[Tensor], sin: Optional[Tensor],
-                    layout: str, pe_shared: bool, nope_dtype: str, pe_dtype: str, v_dtype: str,
-                    backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dk_nope, dk_pe, dv); an empty tensor stands for the gradient of a None dk / dv."""
-    dtypes = tuple(_TORCH_DTYPES[d] for d in (nope_dtype, pe_dtype, v_dtype))
-    grads = _kv_grads(dk, dv, cos, sin, layout, pe_shared, dtypes, backend)
-    like = dk if dk is not None else dv
-    inputs = {t.untyped_storage().data_ptr() for t in (dk, dv) if t is not None}
-    # a custom op's outputs may not alias its inputs (dv.to(its own dtype) is dv)
-    return tuple(like.new_empty(0) if g is None else
-                 g.clone() if g.untyped_storage().data_ptr() in inputs else g.contiguous() for g in grads)
+@torch.library.custom_op(f"{NAMESPACE}::mla_kv_mxfp8_pe_backward", mutates_args=())
+def _kv_backward_op(dk: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], layout: str, pe_shared: bool,
+                    pe_dtype: str, backend: Optional[str]) -> Tensor:
+    """dk_pe, k_pe's gradient from k's (`_kv_pe_grad`)."""
+    g = _kv_pe_grad(dk, cos, sin, layout, pe_shared, _TORCH_DTYPES[pe_dtype], backend)
+    # a custom op's output may not alias its inputs (an unsummed, unrotated slice of dk in its own dtype)
+    return g.clone() if g.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() else g.contiguous()
 
 
 @_kv_backward_op.register_fake
-def _(dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend):
-    like = dk if dk is not None else dv
-    if dk is None:
-        nope, pe = like.new_empty(0), like.new_empty(0)
-    else:
-        head = mla_kv_axes(layout)[1]
-        lead = list(dk.shape[:-1])
-        nope = dk.new_empty(tuple(lead) + (_NOPE_DIM,), dtype=_TORCH_DTYPES[nope_dtype])
-        lead[head] = 1 if pe_shared else lead[head]
-        pe = dk.new_empty(tuple(lead) + (MLA_ROPE_DIM,), dtype=_TORCH_DTYPES[pe_dtype])
-    return nope, pe, like.new_empty(0) if dv is None else dv.new_empty(dv.shape, dtype=_TORCH_DTYPES[v_dtype])
+def _(dk, cos, sin, layout, pe_shared, pe_dtype, backend):
+    lead = list(dk.shape[:-1])
+    if pe_shared:
+        lead[mla_kv_axes(layout)[1]] = 1
+    return dk.new_empty(tuple(lead) + (MLA_ROPE_DIM,), dtype=_TORCH_DTYPES[pe_dtype])
 
 
 def _kv_setup(ctx, inputs, output):
@@ -1078,15 +1079,15 @@ def _kv_backward(ctx, dk, _k_data, _k_scale, dv, _v_data, _v_scale):
         return (None,) * 7
     cos, sin = ctx.saved_tensors
     layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend = ctx.options
-    if cos is not None and dk is not None:
-        pe = _resolution.stand_in(ctx.pe_shape, _TORCH_DTYPES[pe_dtype], dk.device)
-        backend = _backward_choice(backend, "rope_backward", pe, cos, sin, style="mla", layout=layout,
-                                   out_dtype=pe_dtype)
-    dk_nope, dk_pe, dv_in = _call(_kv_backward_op, dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype,
-                                  backend)
-    if dk is None:
-        dk_nope = dk_pe = None
-    return dk_nope, dk_pe, None if dv is None else dv_in, None, None, None, None
+    dk_nope = dk_pe = None
+    if dk is not None:
+        if cos is not None:
+            pe = _resolution.stand_in(ctx.pe_shape, _TORCH_DTYPES[pe_dtype], dk.device)
+            backend = _backward_choice(backend, "rope_backward", pe, cos, sin, style="mla", layout=layout,
+                                       out_dtype=pe_dtype)
+        dk_nope = dk[..., :_NOPE_DIM].to(_TORCH_DTYPES[nope_dtype])
+        dk_pe = _call(_kv_backward_op, dk, cos, sin, layout, pe_shared, pe_dtype, backend)
+    return dk_nope, dk_pe, None if dv is None else dv.to(_TORCH_DTYPES[v_dtype]), None, None, None, None
 
 
 _register_autograd(_kv_op, _kv_backward, _kv_setup)
@@ -1116,8 +1117,8 @@ def mla_kv_mxfp8(k_nope: Tensor, k_pe: Tensor, v: Tensor, layout: str = "bshd", 
     plain eager call is one graph node around one `mla_kv_quantize` op (on the Triton backend one
     kernel launch writing k's and v's codes and scales, k_pe rotated in it; no bf16 concatenation is
     written); under torch.compile plain tensors take the same op as the custom op `mxmla::mla_kv_mxfp8`
-    (backward `mxmla::mla_kv_mxfp8_backward`), its backend resolved at trace time; tensor subclasses
-    (DTensor) take the composition of the custom ops (rope, then quantize of the concatenation and of
+    (backward: k_pe's gradient in `mxmla::mla_kv_mxfp8_pe_backward`), its backend resolved at trace time;
+    tensor subclasses (DTensor) take the composition of the custom ops (rope, then quantize of the concatenation and of
     v: the same bytes)."""
     seq, head = _check_kv(k_nope, k_pe, v, layout, cos, sin)
     tensors = (k_nope, k_pe, v, cos, sin)
@@ -1138,7 +1139,7 @@ OPS = {
     "rope": _rope_op,
     "rope_backward": _rope_backward_op,
     "mla_kv_mxfp8": _kv_op,
-    "mla_kv_mxfp8_backward": _kv_backward_op,
+    "mla_kv_mxfp8_pe_backward": _kv_backward_op,
     "mla_q_uproj_rope_quant": _mla_q_op,
     "mla_q_uproj_rope_quant_backward": _mla_q_backward_op,
     "rmsnorm_mxfp8": _rmsnorm_op,

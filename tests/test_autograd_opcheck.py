@@ -58,8 +58,9 @@ def _cases():
                                 0.1, "bshd", None, None, None),
         "mla_kv_mxfp8/no_rope": (rg(kk[..., :128]), rg(kk[..., 128:]), rg(v), None, None, "bshd", None),
         "mla_kv_mxfp8/rope": (rg(kk[..., :128]), rg(kk[..., 128:]), rg(v), cos, sin, "bshd", None),
-        "mla_kv_mxfp8_backward/rope": (kk, v, cos, sin, "bshd", False, "bfloat16", "bfloat16", "bfloat16", None),
-        "mla_kv_mxfp8_backward/no_dk": (None, v, None, None, "bshd", False, "bfloat16", "bfloat16", "float32", None),
+        "mla_kv_mxfp8_pe_backward/rope": (kk, cos, sin, "bshd", False, "bfloat16", None),
+        "mla_kv_mxfp8_pe_backward/shared_fp32": (kk, None, None, "bshd", True, "float32", None),
+        "mla_kv_mxfp8_pe_backward/alias": (kk, None, None, "bshd", False, "bfloat16", None),
         "mla_attention_backward": (o, *_plain_slots(q), *_plain_slots(kk), *_plain_slots(v), o, lse, True, None,
                                    "bshd", None, None, None),
     }

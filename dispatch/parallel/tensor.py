@@ -22,8 +22,8 @@ Rules, per op (besides all-Replicate, always accepted):
 - rope, rope_backward: x Shard(head axis = ndim-2), tables and index tensors Replicate -> Shard(head).
 - mla_kv_mxfp8: k_nope and v Shard(head axis), k_pe Replicate when one head is shared by all (else
   Shard(head) too), cos/sin Replicate -> every output (k's and v's proxy, codes, scales) Shard(head).
-- mla_kv_mxfp8_backward: dk, dv Shard(head), tables Replicate -> dk_nope, dv Shard(head); dk_pe
-  Partial(sum) for a shared k_pe (each rank sums its heads' share), else Shard(head).
+- mla_kv_mxfp8_pe_backward (k_pe's gradient): dk Shard(head), tables Replicate -> dk_pe Partial(sum) for a
+  shared k_pe (each rank sums its heads' share), else Shard(head).
 - mxfp8_dequantize: Shard(d) for any d but the blocked axis -> Shard(d).
 - mla_attention, mla_attention_backward: q, k, v, o, do Shard(head axis), lse Shard(its H axis) ->
   outputs alike; or all of them Shard(batch axis) (bshd, sbhd).
@@ -167,16 +167,13 @@ def _kv_rule(k_nope, k_pe, v, cos, sin, layout, backend):
     return [_replicated(6, args), ([Shard(head)] * 6, placements)]
 
 
-@_register(_OPS.mla_kv_mxfp8_backward.default)
-def _kv_backward_rule(dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend):
-    args = (dk, dv, cos, sin, layout, pe_shared, nope_dtype, pe_dtype, v_dtype, backend)
+@_register(_OPS.mla_kv_mxfp8_pe_backward.default)
+def _kv_backward_rule(dk, cos, sin, layout, pe_shared, pe_dtype, backend):
+    args = (dk, cos, sin, layout, pe_shared, pe_dtype, backend)
     head = mla_kv_axes(layout)[1]
-    # a shared k_pe's gradient sums over the heads: each rank's sum over its heads is a Partial share;
-    # an absent dk / dv gives an empty tensor (Replicate)
-    dk_nope, dk_pe = (Shard(head), Partial() if pe_shared else Shard(head)) if _is_tensor(dk) else (R, R)
-    outs = [dk_nope, dk_pe, Shard(head) if _is_tensor(dv) else R]
-    placements = [Shard(head) if _is_tensor(dk) else None, Shard(head) if _is_tensor(dv) else None]
-    return [_replicated(3, args), (outs, placements + _present(args[2:], R))]
+    # a shared k_pe's gradient sums over the heads: each rank's sum over its heads is a Partial share
+    out = Partial() if pe_shared else Shard(head)
+    return [_replicated(1, args), ([out], [Shard(head)] + _present(args[1:], R))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,7 +258,7 @@ def _attention_backward_rule(do, q, q_codes, q_scales, q_format, k, k_codes, k_s
 
 
 RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "rope_backward",
-         "mla_kv_mxfp8", "mla_kv_mxfp8_backward", "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention",
+         "mla_kv_mxfp8", "mla_kv_mxfp8_pe_backward", "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention",
          "mla_attention_backward")
 
 
