@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
-#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench (default: all)
+#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block first hf titan
+#                                   (default: info test sanitize bench)
 #   `test` (the whole pytest, up to TEST_CAP = 530 s) fills one 600 s device command by itself.
+#   block / first / hf / titan: the README's and BENCHMARKS' block, first-step, HF-layer and TorchTitan
+#   tables (about 90 s per block shape, 170 s, 100 s and 100 s on an H100).
 # Run through the device tool with `.whl` carried (tools/fetch_cudnn_frontend.sh fills it here).
 # Writes logs and JSON under $OUT (or ./gpu_out when $OUT is unset).
 set -uo pipefail
@@ -67,6 +70,41 @@ for phase in $PHASES; do
     not_ok=$(grep -E '^  [a-z_0-9]+ +(capped|killed|failed|skipped|interrupted)' "$OUT/bench.log" \
       | awk '{print $1 " " $2}' | paste -sd, -)
     summary+=("mxmla bench: rc=$rc in $((SECONDS-start)) s: $n_ok scripts ok${not_ok:+; $not_ok}; $OUT/bench")
+    ;;
+  block)
+    # compiled, CUDA-graph and eager block paths in turns, per shape (BLOCK_SHAPES), with per-kernel tables
+    start=$SECONDS
+    shapes=${BLOCK_SHAPES:-B1S4096,B2S4096,B1S16384}
+    timeout -s INT "${BLOCK_CAP:-400}" python3 benchmarks/bench_block.py --shapes "$shapes" --kernel-top 40 \
+      --paths mxfp8-compile,bf16-compile,compile,mxfp8-cudagraph,compile-cudagraph,mxfp8,torch \
+      --json "$OUT/block_$COMMIT.json" > "$OUT/block_$COMMIT.txt" 2>&1
+    rc=$?
+    grep -A12 "^shape " "$OUT/block_$COMMIT.txt"
+    summary+=("bench_block ($shapes): rc=$rc in $((SECONDS-start)) s; $OUT/block_$COMMIT.txt")
+    ;;
+  first)
+    start=$SECONDS
+    python3 benchmarks/first_step.py --budget "${FIRST_CAP:-300}" --breakdown --json "$OUT/first_step_$COMMIT.json" \
+      > "$OUT/first_step_$COMMIT.txt" 2>&1
+    rc=$?
+    grep -v "^  \[" "$OUT/first_step_$COMMIT.txt" | tail -9
+    summary+=("first_step: rc=$rc in $((SECONDS-start)) s; $OUT/first_step_$COMMIT.txt")
+    ;;
+  hf)
+    start=$SECONDS
+    timeout -s INT "${HF_CAP:-200}" python3 benchmarks/hf_layer.py --out "$OUT/hf_layer_$COMMIT.json" \
+      > "$OUT/hf_layer_$COMMIT.log" 2>&1
+    rc=$?
+    tail -9 "$OUT/hf_layer_$COMMIT.log"
+    summary+=("hf_layer: rc=$rc in $((SECONDS-start)) s; $OUT/hf_layer_$COMMIT.log")
+    ;;
+  titan)
+    start=$SECONDS
+    timeout -s INT "${TITAN_CAP:-300}" python3 benchmarks/titan_block.py --out "$OUT/titan_block_$COMMIT.json" \
+      > "$OUT/titan_block_$COMMIT.log" 2>&1
+    rc=$?
+    tail -6 "$OUT/titan_block_$COMMIT.log"
+    summary+=("titan_block: rc=$rc in $((SECONDS-start)) s; $OUT/titan_block_$COMMIT.log")
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
