@@ -33,8 +33,11 @@ def digest() -> str:
 
 
 def tag() -> str:
-    """Add "mxmla-<digest>" to torch.compiler.config.cache_key_tag (once); returns the tag in force."""
-    config = torch.compiler.config
+    """Add "mxmla-<digest>" to torch.compiler.config.cache_key_tag (once); returns the tag in force ("" on
+    a torch without that setting, whose caches then key as they do)."""
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        return ""
     mine = f"mxmla-{digest()}"
     current = config.cache_key_tag or ""
     if mine not in current.split("+"):

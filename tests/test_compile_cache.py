@@ -36,3 +36,11 @@ def test_the_digest_follows_every_rule_file(tmp_path, monkeypatch):
         changed = compile_cache.digest()
         assert changed != base, name
         base = changed
+
+
+def test_a_torch_without_the_setting_is_left_alone(monkeypatch):
+    class Bare:
+        pass
+
+    monkeypatch.setattr(torch.compiler, "config", Bare(), raising=False)
+    assert compile_cache.tag() == ""
