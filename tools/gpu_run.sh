@@ -16,6 +16,17 @@ COMMIT=${MXMLA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "commit $COMMIT  date $(date -u +%F)  phases: $PHASES"
 summary=()
 
+# script_phase NAME CAP LOG TAIL SCRIPT ARGS...: one benchmark script under a SIGINT cap, its output in
+# LOG, its last TAIL lines shown, one summary line
+script_phase() {
+  local name=$1 cap=$2 log=$3 lines=$4 start=$SECONDS rc
+  shift 4
+  timeout -s INT "$cap" python3 "$@" > "$log" 2>&1
+  rc=$?
+  tail -"$lines" "$log"
+  summary+=("$name: rc=$rc in $((SECONDS-start)) s; $log")
+}
+
 for phase in $PHASES; do
   case $phase in
   info)
@@ -91,20 +102,12 @@ for phase in $PHASES; do
     summary+=("first_step: rc=$rc in $((SECONDS-start)) s; $OUT/first_step_$COMMIT.txt")
     ;;
   hf)
-    start=$SECONDS
-    timeout -s INT "${HF_CAP:-200}" python3 benchmarks/hf_layer.py --out "$OUT/hf_layer_$COMMIT.json" \
-      > "$OUT/hf_layer_$COMMIT.log" 2>&1
-    rc=$?
-    tail -9 "$OUT/hf_layer_$COMMIT.log"
-    summary+=("hf_layer: rc=$rc in $((SECONDS-start)) s; $OUT/hf_layer_$COMMIT.log")
+    script_phase hf_layer "${HF_CAP:-200}" "$OUT/hf_layer_$COMMIT.log" 9 \
+      benchmarks/hf_layer.py --out "$OUT/hf_layer_$COMMIT.json"
     ;;
   titan)
-    start=$SECONDS
-    timeout -s INT "${TITAN_CAP:-300}" python3 benchmarks/titan_block.py --out "$OUT/titan_block_$COMMIT.json" \
-      > "$OUT/titan_block_$COMMIT.log" 2>&1
-    rc=$?
-    tail -6 "$OUT/titan_block_$COMMIT.log"
-    summary+=("titan_block: rc=$rc in $((SECONDS-start)) s; $OUT/titan_block_$COMMIT.log")
+    script_phase titan_block "${TITAN_CAP:-300}" "$OUT/titan_block_$COMMIT.log" 6 \
+      benchmarks/titan_block.py --out "$OUT/titan_block_$COMMIT.json"
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
   esac
