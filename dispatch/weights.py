@@ -115,12 +115,25 @@ def _key(w: Tensor, backend: Optional[str], rows: Optional[Tensor] = None) -> tu
             _generation[0])
 
 
-def _quantize_both(w: Tensor, backend: Optional[str], rows: Optional[Tensor]) -> Tuple[MXTensor, MXTensor]:
-    """(row, col) of w (w[rows]) cast to bf16: one `dispatch.run` call, col blocked along N in w's own
-    [N, K] layout (not yet transposed). The rows were checked by the caller."""
+def _quantize_transposed(w: Tensor, backend: Optional[str], rows: Optional[Tensor],
+                         codes_t: Optional[Tensor] = None, scales_t: Optional[Tensor] = None):
+    """(key, row, codes_t, scales_t) of w (w[rows]) cast to bf16, with one `dispatch.run` call: the
+    rowwise MXTensor as the op returned it, and the copy blocked along N transposed into codes_t
+    [K, N] and scales_t [K, N/32] (made here unless given; any 1-byte dtype)."""
+    if rows is not None:
+        _check_rows(rows, w.shape[0])  # here, not per call: it reads the rows (a device sync)
+    key = _key(w, backend, rows)
     with torch.no_grad():
         src = w.detach() if rows is None else w.detach().index_select(0, rows)
-        return _dispatch.run("mxfp8_quantize", src.to(torch.bfloat16), backend=backend, **_QUANT)
+        row, col = _dispatch.run("mxfp8_quantize", src.to(torch.bfloat16), backend=backend, **_QUANT)
+    n, k = col.data.shape
+    if codes_t is None:
+        codes_t = torch.empty(k, n, dtype=col.data.dtype, device=col.data.device)
+    if scales_t is None:
+        scales_t = torch.empty(k, n // 32, dtype=col.scale.dtype, device=col.scale.device)
+    transpose_bytes_into(col.data, codes_t, backend=backend)
+    transpose_bytes_into(col.scale, scales_t, backend=backend)
+    return key, row, codes_t, scales_t
 
 
 class MXFP8Weight:
@@ -137,15 +150,7 @@ class MXFP8Weight:
     def quantize(cls, w: Tensor, backend: Optional[str] = None, rows: Optional[Tensor] = None) -> "MXFP8Weight":
         """Quantize w (w[rows] when rows are given; cast to bf16 first) rowwise and columnwise with one
         `dispatch.run` call."""
-        if rows is not None:
-            _check_rows(rows, w.shape[0])  # here, not per call: it reads the rows (a device sync)
-        key = _key(w, backend, rows)
-        row, col = _quantize_both(w, backend, rows)
-        n, k = col.data.shape
-        codes_t = torch.empty(k, n, dtype=col.data.dtype, device=col.data.device)
-        scales_t = torch.empty(k, n // 32, dtype=col.scale.dtype, device=col.scale.device)
-        transpose_bytes_into(col.data, codes_t, backend=backend)
-        transpose_bytes_into(col.scale, scales_t, backend=backend)
+        key, row, codes_t, scales_t = _quantize_transposed(w, backend, rows)
         row = MXTensor(row.data.contiguous(), row.scale.contiguous(), 1, "e4m3", "compact")
         col = MXTensor(codes_t.t(), scales_t.t(), 0, "e4m3", "compact")
         return cls(key, row, col)
@@ -372,15 +377,10 @@ class WeightCopies(torch.nn.Module):
             raise ValueError(f"w: expected shape {tuple(self.row_codes.shape)} (the copies'), got {tuple(w.shape)}")
         if w.device != self.row_codes.device:
             raise ValueError(f"w: expected device {self.row_codes.device} (the copies'), got {w.device}")
-        if rows is not None:
-            _check_rows(rows, w.shape[0])
-        key = _key(w, self.backend, rows)
-        row, col = _quantize_both(w, self.backend, rows)
+        key, row, _, _ = _quantize_transposed(w, self.backend, rows, self.col_codes_t, self.col_scales_t)
         with torch.no_grad():
             self.row_codes.copy_(row.data.view(torch.uint8))
             self.row_scales.copy_(row.scale)
-        transpose_bytes_into(col.data, self.col_codes_t, backend=self.backend)
-        transpose_bytes_into(col.scale, self.col_scales_t, backend=self.backend)
         self._key, self.made = key, True
         self.refreshes += 1
 
