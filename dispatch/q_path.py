@@ -43,7 +43,7 @@ from torch import Tensor
 
 import dispatch as _dispatch
 import dispatch.resolution as _resolution
-from dispatch.autograd import (NAMESPACE, TrackedMXTensor, _DTYPE_NAMES, _TORCH_DTYPES, _scale_shape, grad_proxy,
+from dispatch.autograd import (NAMESPACE, TrackedMXTensor, _scale_shape, grad_proxy,
                                rmsnorm_backward, shared_grad_proxy)
 from dispatch.weights import MXFP8Weight, plain_copies, weight_grad
 from spec.constants import MLA_QK_HEAD_DIM
@@ -71,16 +71,15 @@ def _forward(x, gamma, w_row: MXTensor, cos, sin, eps, norm_backend, q_backend):
     return q_row, y_col, rstd.contiguous()
 
 
-def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, rows, w_dtype, backend,
-              needs=(True, True, True)):
-    """(dx, dgamma, dw): the fused op's MXFP8 backward, RMSNorm's, and the weight proxy's rule."""
+def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, backend, needs=(True, True)):
+    """(dx, dgamma, dw16): the fused op's MXFP8 backward and RMSNorm's; dw16 is the gradient of the
+    weight proxy (bf16, in the copies' row order), which `weight_grad` turns into w's."""
     dy, dw = _run("mla_q_uproj_rope_quant_backward", dq.contiguous(), y_col, w_col, cos, sin, quantize_grad=True,
                   backend=backend)
     dx = dgamma = None
     if needs[0] or needs[1]:
         dx, dgamma = rmsnorm_backward(dy.contiguous().to(torch.float32), x, gamma, rstd)
-    dw = weight_grad(dw.contiguous().to(torch.bfloat16), w_dtype, rows) if needs[2] else None
-    return dx, dgamma, dw
+    return dx, dgamma, dw.contiguous().to(torch.bfloat16)
 
 
 class _RMSNormMLAQ(torch.autograd.Function):
@@ -107,8 +106,9 @@ class _RMSNormMLAQ(torch.autograd.Function):
         x, gamma, rstd, y_codes, y_scales, w_codes, w_scales, cos, sin, rows = ctx.saved_tensors
         y_col = MXTensor(y_codes, y_scales, 0, "e4m3", "compact")
         w_col = MXTensor(w_codes, w_scales, 0, "e4m3", "compact")
-        dx, dgamma, dw = _backward(dq, x, gamma, rstd, y_col, w_col, cos, sin, rows, ctx.w_dtype, ctx.backend,
-                                   (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]))
+        dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, w_col, cos, sin, ctx.backend,
+                                     (ctx.needs_input_grad[0], ctx.needs_input_grad[1]))
+        dw = weight_grad(dw16, ctx.w_dtype, rows) if ctx.needs_input_grad[2] else None
         return dx, dgamma, dw, None, None, None, None, None, None
 
 
@@ -170,20 +170,20 @@ def _(x, gamma, w, w_row_codes, w_row_scales, w_col_codes_t, w_col_scales_t, cos
 @torch.library.custom_op(f"{NAMESPACE}::rmsnorm_mla_q_backward", mutates_args=())
 def _rmsnorm_mla_q_backward_op(dq: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, y_col_codes: Tensor,
                                y_col_scales: Tensor, w_col_codes_t: Tensor, w_col_scales_t: Tensor, cos: Tensor,
-                               sin: Tensor, rows: Optional[Tensor], w_dtype: str,
-                               backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dx, dgamma, dw) in the dtypes of x, gamma and w."""
+                               sin: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dx, dgamma, dw16): dx and dgamma in the dtypes of x and gamma, dw16 the weight proxy's bf16
+    gradient [N, K]. Scattering it to w's rows and casting it to w's dtype is left to the traced rule,
+    where Inductor fuses that cast with its neighbours (inside the op it would be one more eager pass
+    over the weight's gradient)."""
     y_col = MXTensor(y_col_codes.view(_E4M3), y_col_scales, 0, "e4m3", "compact")
-    dx, dgamma, dw = _backward(dq, x, gamma, rstd, y_col, _w_col(w_col_codes_t, w_col_scales_t), cos, sin, rows,
-                               _TORCH_DTYPES[w_dtype], backend)
-    return dx.contiguous(), dgamma.contiguous(), dw.contiguous()
+    dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, _w_col(w_col_codes_t, w_col_scales_t), cos, sin, backend)
+    return dx.contiguous(), dgamma.contiguous(), dw16
 
 
 @_rmsnorm_mla_q_backward_op.register_fake
-def _(dq, x, gamma, rstd, y_col_codes, y_col_scales, w_col_codes_t, w_col_scales_t, cos, sin, rows, w_dtype,
-      backend):
+def _(dq, x, gamma, rstd, y_col_codes, y_col_scales, w_col_codes_t, w_col_scales_t, cos, sin, backend):
     k, n = w_col_codes_t.shape
-    return x.new_empty(x.shape), gamma.new_empty(gamma.shape), x.new_empty((n, k), dtype=_TORCH_DTYPES[w_dtype])
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape), x.new_empty((n, k), dtype=torch.bfloat16)
 
 
 def _setup(ctx, inputs, output):
@@ -192,7 +192,7 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, gamma, output[3], output[4], output[5], w_col_codes_t, w_col_scales_t, cos, sin, rows)
-    ctx.w_dtype, ctx.backend = _DTYPE_NAMES[w.dtype], q_backend
+    ctx.w_dtype, ctx.backend = w.dtype, q_backend
 
 
 def _backward_rule(ctx, dq, *_unused):
@@ -208,8 +208,9 @@ def _backward_rule(ctx, dq, *_unused):
                          "e4m3", "compact")
         backend = _resolution.resolve("mla_q_uproj_rope_quant_backward", dq, y_col, w_col, cos, sin, contiguous=(0,),
                                       quantize_grad=True, backend=backend)
-    dx, dgamma, dw = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,
-                                                sin, rows, ctx.w_dtype, backend)
+    dx, dgamma, dw16 = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,
+                                                  sin, backend)
+    dw = weight_grad(dw16, ctx.w_dtype, rows)  # traced: Inductor fuses the cast
     return dx, dgamma, dw, None, None, None, None, None, None, None, None, None, None
 
 
