@@ -94,6 +94,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel GPU-time tables")
     ap.add_argument("--kernel-top", type=int, default=14, metavar="N",
                     help="kernels listed per path in the GPU-time tables (their total counts every kernel)")
+    ap.add_argument("--launchers", type=int, default=0, metavar="N",
+                    help="also the N eager torch ops whose kernels take most GPU time per path, with their "
+                         "input shapes and the mxmla custom op they ran inside (what Inductor did not fuse)")
     ap.add_argument("--host-profile", action="store_true", help="also a host-time table by op per path")
     ap.add_argument("--backend", default=None, help="backend for every mxmla op (default: automatic)")
     benchlib.add_common_args(ap, tokens_axis=None)
@@ -323,6 +326,30 @@ def kernel_table(bench: Bench, top: int = 14):
     return [(name, ms, ms / total) for name, ms in rows[:top]], total
 
 
+def launcher_table(bench: Bench, top: int = 20):
+    """[(GPU ms per step, eager op, its input shapes, enclosing mxmla custom op or "")]: the kernels each
+    eager torch op launched itself (not its callees'), summed per (op, shapes, custom op). Inductor's and
+    mxmla's Triton kernels are launched from Python, not by a torch op, so they are not in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        bench.step()
+        torch.cuda.synchronize()
+    sums = {}
+    for ev in prof.events():
+        ms = sum(k.duration for k in getattr(ev, "kernels", [])) / 1e3
+        if ms <= 0 or not ev.name.startswith("aten::"):
+            continue
+        owner, parent = "", ev.cpu_parent
+        while parent is not None and not owner:
+            owner = parent.name if parent.name.startswith("mxmla::") else ""
+            parent = parent.cpu_parent
+        key = (ev.name, str([list(x) for x in ev.input_shapes if x]), owner)
+        sums[key] = sums.get(key, 0.0) + ms
+    rows = sorted(((ms,) + key for key, ms in sums.items()), reverse=True)
+    return rows[:top]
+
+
 def child_first_step(args) -> None:
     """One first step of one path in this (fresh) process: JSON {"first_step_s", "build_s"} on stdout."""
     (b, s), path = args.shape_list[0], args.paths[0]
@@ -548,6 +575,15 @@ def measure(rec: benchlib.Recorder, args) -> None:
                 rec.note(f"{label} {path}: GPU time by kernel, one step ({total:.3f} ms of kernels)")
                 for name, ms, share in table:
                     rec.note(f"    {ms:8.3f} ms {share * 100:5.1f} %  {name[:110]}")
+            if args.launchers and DEVICE == "cuda":
+                rec.note(f"{label} {path}: GPU time by the eager torch op that launched it, one step")
+                try:
+                    launchers = launcher_table(bench, top=args.launchers)
+                except Exception as error:  # noqa: BLE001 -- a diagnostic table: the timings above stand
+                    rec.note(f"    not made: {type(error).__name__}: {error}")
+                    launchers = []
+                for ms, op, shapes, owner in launchers:
+                    rec.note(f"    {ms:8.3f} ms  {op} {shapes[:70]}{'  in ' + owner if owner else ''}")
             if args.host_profile:
                 rec.note(f"{label} {path}: host time of one forward by function (step issue {issue_ms:.2f} ms)")
                 for name, ms, count in host_table(bench):

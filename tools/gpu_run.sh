@@ -86,7 +86,7 @@ for phase in $PHASES; do
     # compiled, CUDA-graph and eager block paths in turns, per shape (BLOCK_SHAPES), with per-kernel tables
     start=$SECONDS
     shapes=${BLOCK_SHAPES:-B1S4096,B2S4096,B1S16384}
-    timeout -s INT "${BLOCK_CAP:-400}" python3 benchmarks/bench_block.py --shapes "$shapes" --kernel-top 40 \
+    timeout -s INT "${BLOCK_CAP:-400}" python3 benchmarks/bench_block.py --shapes "$shapes" --kernel-top 40 --launchers 16 \
       --paths mxfp8-compile,bf16-compile,compile,mxfp8-cudagraph,compile-cudagraph,mxfp8,torch \
       --json "$OUT/block_$COMMIT.json" > "$OUT/block_$COMMIT.txt" 2>&1
     rc=$?
