@@ -42,10 +42,10 @@ Gradient definitions (SEMANTICS.md has none for training; these are the choices)
   as dL/dy for the fp32 y = x * rstd * g before quantization, and dx, dgamma are that of RMSNorm:
       xhat = x * rstd,  dgamma = sum_t dy * xhat,
       dx = rstd * (dy * g - xhat * mean_D(dy * g * xhat)),
-  in fp32 (float64 inputs stay float64) with the forward's rstd; g = gamma (+ 1 when
-  zero_centered_gamma, whose gradient is the same). spec has no RMSNorm backward, so this is written
-  here in torch (`rmsnorm_backward`) and checked against finite differences in tests. rstd is an
-  output without gradient (marked non-differentiable).
+  in fp32 with the forward's rstd; g = gamma (+ 1 when zero_centered_gamma, whose gradient is the
+  same). That is the op `rmsnorm_backward` (spec/rmsnorm.py; custom op `mxmla::rmsnorm_backward`, its
+  backend chosen like the forward's), checked against finite differences in tests. rstd is an output
+  without gradient (marked non-differentiable).
 - `rope`: linear in x; dx = `rope_backward` (the exact transpose, SEMANTICS 4) in x's dtype. The
   cos/sin tables are constants (no gradient), as are positions and sequence offsets.
 - `mla_attention`: o is differentiable, lse is not (marked non-differentiable). dq, dk, dv come from
@@ -645,21 +645,26 @@ def _(x, gamma, eps, zero_centered_gamma, elem, backend):
             x.new_empty(shape[:1], dtype=torch.float32))
 
 
-def rmsnorm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor,
-                     zero_centered_gamma: bool = False) -> Tuple[Tensor, Tensor]:
-    """(dx, dgamma) of y = x * rstd[:, None] * g for dL/dy `dy` [T, D]; rstd [T] as the forward computed
-    it. Arithmetic in fp32 (float64 if any input is float64, for finite-difference checks); dx in x's
-    dtype, dgamma in gamma's."""
-    compute = torch.float64 if torch.float64 in (dy.dtype, x.dtype, gamma.dtype, rstd.dtype) else torch.float32
-    x32, dy32, r = x.to(compute), dy.to(compute), rstd.to(compute)[:, None]
-    g = gamma.to(compute)
-    if zero_centered_gamma:
-        g = g + 1.0
-    xhat = x32 * r
-    dxhat = dy32 * g
-    dgamma = (dy32 * xhat).sum(dim=0)
-    dx = r * (dxhat - xhat * (dxhat * xhat).mean(dim=1, keepdim=True))
-    return dx.to(x.dtype), dgamma.to(gamma.dtype)
+@torch.library.custom_op(f"{NAMESPACE}::rmsnorm_backward", mutates_args=())
+def _rmsnorm_backward_op(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zero_centered_gamma: bool,
+                         backend: Optional[str]) -> Tuple[Tensor, Tensor]:
+    """(dx in x's dtype, dgamma in gamma's dtype)."""
+    dx, dgamma = _run("rmsnorm_backward", dy.contiguous(), x.contiguous(), gamma.contiguous(), rstd.contiguous(),
+                      zero_centered_gamma=zero_centered_gamma, backend=backend)
+    return dx.contiguous(), dgamma.contiguous()
+
+
+@_rmsnorm_backward_op.register_fake
+def _(dy, x, gamma, rstd, zero_centered_gamma, backend):
+    return x.new_empty(x.shape), gamma.new_empty(gamma.shape)
+
+
+def rmsnorm_backward(dy: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zero_centered_gamma: bool = False,
+                     backend: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+    """(dx, dgamma) of y = x * rstd[:, None] * g for dL/dy `dy` [T, D] with the forward's rstd [T]:
+    `dispatch.run("rmsnorm_backward", ...)` (dx in x's dtype, dgamma in gamma's), what the autograd rule
+    of `rmsnorm_mxfp8` computes."""
+    return _run("rmsnorm_backward", dy, x, gamma, rstd, zero_centered_gamma=zero_centered_gamma, backend=backend)
 
 
 def _rmsnorm_setup(ctx, inputs, output):
@@ -667,14 +672,16 @@ def _rmsnorm_setup(ctx, inputs, output):
     rstd = output[5]
     ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, gamma, rstd)
-    ctx.zero_centered_gamma = bool(zero_centered_gamma)
+    ctx.zero_centered_gamma, ctx.backend = bool(zero_centered_gamma), backend
 
 
 def _rmsnorm_backward(ctx, dy, *_unused):
     if dy is None:
         return (None,) * 6
     x, gamma, rstd = ctx.saved_tensors
-    dx, dgamma = rmsnorm_backward(dy, x, gamma, rstd, ctx.zero_centered_gamma)
+    backend = _backward_choice(ctx.backend, "rmsnorm_backward", dy, x, gamma, rstd, contiguous=(0, 1, 2, 3),
+                               zero_centered_gamma=ctx.zero_centered_gamma)
+    dx, dgamma = _call(_rmsnorm_backward_op, dy, x, gamma, rstd, ctx.zero_centered_gamma, backend)
     return dx, dgamma, None, None, None, None
 
 
@@ -685,7 +692,7 @@ def rmsnorm_mxfp8(x: Tensor, gamma: Tensor, eps: float = 1e-6, zero_centered_gam
                   elem: str = "e4m3", backend: Optional[str] = None) -> Tuple[TrackedMXTensor, TrackedMXTensor, Tensor]:
     """`dispatch.run("rmsnorm_mxfp8", ...)` returning (y_row, y_col, rstd): y_row / y_col share one fp32
     proxy, whose gradient (dL/dy of the fp32 y, straight through the quantizer) gives dx and dgamma
-    through `rmsnorm_backward`. rstd has no gradient."""
+    through the op `rmsnorm_backward`. rstd has no gradient."""
     _validate("rmsnorm_mxfp8", x, gamma, eps=eps, zero_centered_gamma=zero_centered_gamma, elem=elem,
               backend=backend)
     backend = _trace_choice("rmsnorm_mxfp8", backend, x, gamma, contiguous=(0, 1), eps=float(eps),
@@ -1171,6 +1178,7 @@ OPS = {
     "mla_q_uproj_rope_quant": _mla_q_op,
     "mla_q_uproj_rope_quant_backward": _mla_q_backward_op,
     "rmsnorm_mxfp8": _rmsnorm_op,
+    "rmsnorm_backward": _rmsnorm_backward_op,
     "mla_attention": _attention_op,
     "mla_attention_backward": _attention_backward_op,
 }

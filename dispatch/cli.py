@@ -78,6 +78,8 @@ def _sample_call(op: str, device: str):
     if op in ("mxfp8_quantize", "rmsnorm_mxfp8"):
         x = randn(T, K)
         return ((x,), {}) if op == "mxfp8_quantize" else ((x, randn(K, dtype=torch.float32)), {})
+    if op == "rmsnorm_backward":
+        return (randn(T, K), randn(T, K), randn(K, dtype=torch.float32), randn(T, dtype=torch.float32).abs()), {}
     mx = dispatch.run("mxfp8_quantize", randn(T, K), axis=-1, backend="spec")
     if op in ("mxfp8_dequantize", "swizzle_scales"):
         return (mx,), {}

@@ -26,8 +26,9 @@ MXTensors they return, the weight's copies come from the caller's `WeightCopies`
 `dispatch.weights.plain_copies` (the same cache, so copies made after an optimizer step are reused),
 and one node's backward computes what the composition's chain of three backwards computes, in the same order and dtypes:
 - `mla_q_uproj_rope_quant_backward` (quantize_grad=True) on dq with y blocked along T and w along N;
-- dy = dx cast to float32 (the dtype of RMSNorm's gradient proxy), then `rmsnorm_backward` with the
-  forward's rstd: the gradients of x and gamma;
+- dy = dx as it comes (bf16), then the op `rmsnorm_backward` with the forward's rstd: the gradients of x
+  and gamma. The composition casts dy to float32 first (RMSNorm's gradient proxy); bf16 -> fp32 is
+  exact and the op widens dy itself, so the values are the same without that extra pass;
 - dw cast to bfloat16 (the dtype of the weight's proxy), then `dispatch.weights.weight_grad` (scatter
   back through `rows`, cast to w's dtype).
 Only q_row is returned (the composition's q_col is not read by attention). RMSNorm's arguments are
@@ -43,8 +44,7 @@ from torch import Tensor
 
 import dispatch as _dispatch
 import dispatch.resolution as _resolution
-from dispatch.autograd import (NAMESPACE, TrackedMXTensor, _scale_shape, grad_proxy,
-                               rmsnorm_backward, shared_grad_proxy)
+from dispatch.autograd import NAMESPACE, TrackedMXTensor, _scale_shape, grad_proxy, shared_grad_proxy
 from dispatch.weights import MXFP8Weight, plain_copies, weight_grad
 from spec.constants import MLA_QK_HEAD_DIM
 from spec.mxtensor import MXTensor
@@ -71,14 +71,16 @@ def _forward(x, gamma, w_row: MXTensor, cos, sin, eps, norm_backend, q_backend):
     return q_row, y_col, rstd.contiguous()
 
 
-def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, backend, needs=(True, True)):
+def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, backend, norm_backend,
+              needs=(True, True)):
     """(dx, dgamma, dw16): the fused op's MXFP8 backward and RMSNorm's; dw16 is the gradient of the
     weight proxy (bf16, in the copies' row order), which `weight_grad` turns into w's."""
     dy, dw = _run("mla_q_uproj_rope_quant_backward", dq.contiguous(), y_col, w_col, cos, sin, quantize_grad=True,
                   backend=backend)
     dx = dgamma = None
     if needs[0] or needs[1]:
-        dx, dgamma = rmsnorm_backward(dy.contiguous().to(torch.float32), x, gamma, rstd)
+        dx, dgamma = _run("rmsnorm_backward", dy.contiguous(), x.contiguous(), gamma.contiguous(), rstd.contiguous(),
+                          zero_centered_gamma=False, backend=norm_backend)
     return dx, dgamma, dw.contiguous().to(torch.bfloat16)
 
 
@@ -106,7 +108,7 @@ class _RMSNormMLAQ(torch.autograd.Function):
         x, gamma, rstd, y_codes, y_scales, w_codes, w_scales, cos, sin, rows = ctx.saved_tensors
         y_col = MXTensor(y_codes, y_scales, 0, "e4m3", "compact")
         w_col = MXTensor(w_codes, w_scales, 0, "e4m3", "compact")
-        dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, w_col, cos, sin, ctx.backend,
+        dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, w_col, cos, sin, ctx.backend, ctx.backend,
                                      (ctx.needs_input_grad[0], ctx.needs_input_grad[1]))
         dw = weight_grad(dw16, ctx.w_dtype, rows) if ctx.needs_input_grad[2] else None
         return dx, dgamma, dw, None, None, None, None, None, None
@@ -170,18 +172,20 @@ def _(x, gamma, w, w_row_codes, w_row_scales, w_col_codes_t, w_col_scales_t, cos
 @torch.library.custom_op(f"{NAMESPACE}::rmsnorm_mla_q_backward", mutates_args=())
 def _rmsnorm_mla_q_backward_op(dq: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, y_col_codes: Tensor,
                                y_col_scales: Tensor, w_col_codes_t: Tensor, w_col_scales_t: Tensor, cos: Tensor,
-                               sin: Tensor, backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
+                               sin: Tensor, backend: Optional[str],
+                               norm_backend: Optional[str]) -> Tuple[Tensor, Tensor, Tensor]:
     """(dx, dgamma, dw16): dx and dgamma in the dtypes of x and gamma, dw16 the weight proxy's bf16
     gradient [N, K]. Scattering it to w's rows and casting it to w's dtype is left to the traced rule,
     where Inductor fuses that cast with its neighbours (inside the op it would be one more eager pass
     over the weight's gradient)."""
     y_col = MXTensor(y_col_codes.view(_E4M3), y_col_scales, 0, "e4m3", "compact")
-    dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, _w_col(w_col_codes_t, w_col_scales_t), cos, sin, backend)
+    dx, dgamma, dw16 = _backward(dq, x, gamma, rstd, y_col, _w_col(w_col_codes_t, w_col_scales_t), cos, sin, backend,
+                                 norm_backend)
     return dx.contiguous(), dgamma.contiguous(), dw16
 
 
 @_rmsnorm_mla_q_backward_op.register_fake
-def _(dq, x, gamma, rstd, y_col_codes, y_col_scales, w_col_codes_t, w_col_scales_t, cos, sin, backend):
+def _(dq, x, gamma, rstd, y_col_codes, y_col_scales, w_col_codes_t, w_col_scales_t, cos, sin, backend, norm_backend):
     k, n = w_col_codes_t.shape
     return x.new_empty(x.shape), gamma.new_empty(gamma.shape), x.new_empty((n, k), dtype=torch.bfloat16)
 
@@ -199,7 +203,7 @@ def _backward_rule(ctx, dq, *_unused):
     if dq is None:
         return (None,) * 13
     x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos, sin, rows = ctx.saved_tensors
-    backend = ctx.backend
+    backend = norm_backend = ctx.backend
     if _resolution.is_resolved(backend):
         y_col = MXTensor(_resolution.stand_in(y_codes.shape, _E4M3, y_codes.device), y_scales, 0, "e4m3", "compact")
         k, n = w_codes_t.shape
@@ -208,8 +212,12 @@ def _backward_rule(ctx, dq, *_unused):
                          "e4m3", "compact")
         backend = _resolution.resolve("mla_q_uproj_rope_quant_backward", dq, y_col, w_col, cos, sin, contiguous=(0,),
                                       quantize_grad=True, backend=backend)
+        # RMSNorm's dy is the fused backward's dx, made inside the op: bf16 [T, K]
+        dy = _resolution.stand_in(x.shape, torch.bfloat16, x.device)
+        norm_backend = _resolution.resolve("rmsnorm_backward", dy, x, gamma, rstd, contiguous=(0, 1, 2, 3),
+                                           zero_centered_gamma=False, backend=backend)
     dx, dgamma, dw16 = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,
-                                                  sin, backend)
+                                                  sin, backend, norm_backend)
     dw = weight_grad(dw16, ctx.w_dtype, rows)  # traced: Inductor fuses the cast
     return dx, dgamma, dw, None, None, None, None, None, None, None, None, None, None
 

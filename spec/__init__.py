@@ -20,7 +20,7 @@ from .mla_q import (
     validate_mla_q_uproj_rope_quant,
     validate_mla_q_uproj_rope_quant_backward,
 )
-from .rmsnorm import rmsnorm_mxfp8, validate_rmsnorm_mxfp8
+from .rmsnorm import rmsnorm_backward, rmsnorm_mxfp8, validate_rmsnorm_backward, validate_rmsnorm_mxfp8
 from .mla_kv import mla_kv_quantize, validate_mla_kv_quantize
 from .attention import (
     mla_attention,

@@ -61,6 +61,7 @@ OPS = (
     "mla_q_uproj_rope_quant",
     "mla_q_uproj_rope_quant_backward",
     "rmsnorm_mxfp8",
+    "rmsnorm_backward",
     "mla_kv_quantize",
     "mla_attention",
     "mla_attention_backward",

@@ -39,6 +39,22 @@ elsewhere. A finite row whose ss overflows fp32 likewise gets rstd = 0 and y = +
 written as the positive quiet NaN 0x7FC00000 (NaN payloads after arithmetic differ between CPUs and
 GPUs). eps = 0 with an
 all-zero row gives v = 0, rstd = +Inf and y = 0 * Inf = NaN. eps must be a finite number >= 0.
+
+`rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False) -> (dx, dgamma)`: the gradients of
+y = x * rstd * g (rstd taken as given, the forward's) for dL/dy `dy` [T, D]; x and dy float32 / bfloat16
+/ float16 of one shape (any T, D >= 1), gamma [D], rstd fp32 [T]. Per element, each step one fp32 RN,
+no FMA, and each sum the exact sum rounded once to fp32:
+1. xhat = RN32(x * rstd[t]);  g = gamma widened (zero_centered_gamma: RN32(gamma + 1));
+2. dxhat = RN32(dy * g);
+3. dgamma[d] = RN32(exact sum_t RN32(dy * xhat)), rounded once more to gamma's dtype;
+4. c[t] = RN32(RN32(exact sum_d RN32(dxhat * xhat)) * RN32(1/D))   -- the mean, as rstd's step 3;
+5. dx = RN32(rstd[t] * RN32(dxhat - RN32(xhat * c[t]))), rounded once more to x's dtype.
+What a backend can match: every step is exact given the sums, so a backend differs from spec only by
+its summation order in steps 3 and 4 (plus, for a backend that divides by D, one rounding in step 4):
+any-order fp32 summation of n terms is within (n - 1) * 2^-24 * sum |terms| of the exact sum.
+tests/conformance/test_rmsnorm_backward.py derives the resulting bounds on dx and dgamma.
+Non-finite values follow IEEE arithmetic (a sum holding a NaN, or both infinities, is NaN; an exact
+sum beyond fp32's range rounds to +-Inf); NaN bit patterns are not fixed.
 """
 from __future__ import annotations
 
@@ -49,7 +65,8 @@ from .constants import BLOCK_SIZE, ELEM_FORMATS, FLOAT_DTYPES
 from .gemm import exact_rowsum_rounded
 from .quantize import mxfp8_quantize
 
-__all__ = ["rmsnorm_mxfp8", "validate_rmsnorm_mxfp8", "rmsnorm_rstd", "rmsnorm_apply"]
+__all__ = ["rmsnorm_mxfp8", "validate_rmsnorm_mxfp8", "rmsnorm_rstd", "rmsnorm_apply", "rmsnorm_backward",
+           "validate_rmsnorm_backward"]
 
 
 def validate_rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
@@ -107,3 +124,52 @@ def rmsnorm_mxfp8(x, gamma, eps=1e-6, zero_centered_gamma=False, elem="e4m3"):
     y_row, y_col = mxfp8_quantize(y, axis=(-1, 0), elem=elem, scale_mode="rceil", nonfinite="saturate",
                                   scale_layout="compact")
     return y_row, y_col, rstd
+
+
+def validate_rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False):
+    """Raise TypeError/ValueError naming the first bad argument of `rmsnorm_backward`."""
+    checks.require_dtype("dy", dy, FLOAT_DTYPES)
+    checks.require_ndim("dy", dy, (2,))
+    checks.require_dtype("x", x, FLOAT_DTYPES)
+    checks.require_ndim("x", x, (2,))
+    checks.require_same_shape("dy", dy, "x", x)
+    if x.shape[1] < 1:
+        raise ValueError(f"x: expected at least one column (D >= 1), got shape {tuple(x.shape)}")
+    checks.require_dtype("gamma", gamma, FLOAT_DTYPES)
+    checks.require_ndim("gamma", gamma, (1,))
+    checks.require_dim("gamma", gamma, 0, x.shape[1], "D of x")
+    checks.require_dtype("rstd", rstd, ("float32",))
+    checks.require_ndim("rstd", rstd, (1,))
+    checks.require_dim("rstd", rstd, 0, x.shape[0], "T of x")
+    checks.require_bool("zero_centered_gamma", zero_centered_gamma)
+
+
+def _rowsums_rounded_once(terms: np.ndarray) -> np.ndarray:
+    """RN32 of the exact sum of each row of fp32 terms [M, K]; a row holding Inf or NaN gets the IEEE
+    sum (NaN for a NaN or for both infinities, else that infinity; a float64 sum of fp32 values cannot
+    overflow, so its order does not matter)."""
+    t64 = terms.astype(np.float64)
+    finite = np.isfinite(t64)
+    with np.errstate(over="ignore"):
+        exact = exact_rowsum_rounded(np.where(finite, t64, 0.0), "float32", 24)
+    return np.where(finite.all(axis=1), exact, t64.sum(axis=1).astype(np.float32))
+
+
+def rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False):
+    """(dx in x's dtype [T, D], dgamma in gamma's dtype [D]) of RMSNorm for dL/dy `dy`, with the
+    forward's rstd. Operation order and what backends can match: module docstring."""
+    validate_rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma)
+    x32 = np.asarray(x).astype(np.float32)
+    dy32 = np.asarray(dy).astype(np.float32)
+    r = np.asarray(rstd)[:, None]
+    g = np.asarray(gamma).astype(np.float32)
+    if zero_centered_gamma:
+        g = g + np.float32(1.0)
+    inv_d = np.float32(1.0) / np.float32(x32.shape[1])
+    with np.errstate(over="ignore", invalid="ignore"):
+        xhat = x32 * r
+        dxhat = dy32 * g[None, :]
+        dgamma = _rowsums_rounded_once((dy32 * xhat).T)
+        c = _rowsums_rounded_once(dxhat * xhat) * inv_d
+        dx = r * (dxhat - xhat * c[:, None])
+        return dx.astype(np.asarray(x).dtype), dgamma.astype(np.asarray(gamma).dtype)

@@ -22,6 +22,7 @@ import torch
 
 import dispatch
 import dispatch.autograd as mxag
+from backends.torch.rmsnorm import rmsnorm_backward as torch_rmsnorm_backward
 from spec.mxtensor import MXTensor
 from tests.util import assert_bytes_equal, skip_without_triton_interpreter
 
@@ -304,7 +305,8 @@ def test_mla_q_mxfp8_backward_from_bf16_operands():
 # --------------------------------------------------------------------------------------------------
 
 class _RMSNormF64(torch.autograd.Function):
-    """float64 y = x * rstd * g whose backward is dispatch.autograd.rmsnorm_backward (under test)."""
+    """float64 y = x * rstd * g whose backward is the torch backend's rmsnorm_backward (under test; the op
+    takes float32 / bfloat16 / float16, and this function alone also computes in float64)."""
 
     @staticmethod
     def forward(ctx, x, gamma, zero_centered):
@@ -317,7 +319,7 @@ class _RMSNormF64(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, gamma, rstd = ctx.saved_tensors
-        dx, dgamma = mxag.rmsnorm_backward(dy, x, gamma, rstd, ctx.zero_centered)
+        dx, dgamma = torch_rmsnorm_backward(dy, x, gamma, rstd, ctx.zero_centered)
         return dx, dgamma, None
 
 

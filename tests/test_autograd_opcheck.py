@@ -52,6 +52,8 @@ def _cases():
                                          *_mx_slots(xb, 0, False)[1:], *_mx_slots(w, 0, False)[1:], True, None),
         "mla_q_uproj_rope_quant_backward": (dq, *_plain_slots(xb), *_plain_slots(w), cos, sin, False, None),
         "rmsnorm_mxfp8": (rg(x), rg(torch.rand(k, generator=gen) + 0.5), 1e-6, False, "e4m3", None),
+        "rmsnorm_backward": (x, xb, torch.rand(k, generator=gen) + 0.5, torch.rand(tokens, generator=gen) + 0.5, True,
+                             None),
         "mla_attention/bf16": (*_plain_slots(rg(q)), *_plain_slots(rg(kk)), *_plain_slots(rg(v)), True, None,
                                "bshd", None, None, None),
         "mla_attention/mxfp8": (*_mx_slots(q, 3, True), *_mx_slots(kk, 3, True), *_mx_slots(v, 1, True), False,

@@ -406,7 +406,7 @@ def test_opcheck_rmsnorm_mla_q():
     _, _, _, rstd, y_codes, y_scales = _rmsnorm_mla_q_op(*args)
     dq = torch.randn(32, 1, 192, generator=gen).bfloat16()
     torch.library.opcheck(_rmsnorm_mla_q_backward_op, (dq, x.detach(), gamma.detach(), rstd, y_codes, y_scales, *col_t,
-                                                       cos, sin, None))
+                                                       cos, sin, None, None))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import spec  # noqa: E402
 from spec.mxtensor import MXTensor  # noqa: E402
+from spec.rmsnorm import rmsnorm_rstd  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent.parent / "spec" / "golden" / "golden.npz"
 BF16 = ml_dtypes.bfloat16
@@ -107,6 +108,16 @@ def golden_cases():
     sin_r[2, 7] = np.inf
     cases.append(("mla_kv_bshd_shared_rope", "mla_kv_quantize",
                   (kv[..., :128], k_pe, kv[..., 128:], "bshd", cos_r, sin_r), {}))
+    # RMSNorm's backward: T not a multiple of 32, the forward's rstd, an all-zero row of x, a NaN in dy
+    x_n = mags((40, 96), BF16)
+    x_n[3] = 0.0
+    dy_n = mags((40, 96), BF16)
+    dy_n[5, 7] = np.nan
+    gamma_n = rng.standard_normal(96).astype(np.float32)
+    rstd_n = rmsnorm_rstd(x_n.astype(np.float32), 1e-6)
+    cases.append(("rmsnorm_backward", "rmsnorm_backward", (dy_n, x_n, gamma_n, rstd_n), {}))
+    cases.append(("rmsnorm_backward_zero_centered", "rmsnorm_backward",
+                  (dy_n.astype(np.float32), x_n, gamma_n.astype(BF16), rstd_n, True), {}))
     return cases
 
 

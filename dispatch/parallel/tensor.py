@@ -27,7 +27,8 @@ Rules, per op (besides all-Replicate, always accepted):
 - mxfp8_dequantize: Shard(d) for any d but the blocked axis -> Shard(d).
 - mla_attention, mla_attention_backward: q, k, v, o, do Shard(head axis), lse Shard(its H axis) ->
   outputs alike; or all of them Shard(batch axis) (bshd, sbhd).
-- rmsnorm_mxfp8: all-Replicate only (its column copy is blocked along T).
+- rmsnorm_mxfp8: all-Replicate only (its column copy is blocked along T); rmsnorm_backward likewise
+  (what the forward's rule hands its autograd rule).
 - mxfp8_quantize: x Shard(d) -> proxy, codes and compact scales Shard(d), for d not blocked, or
   blocked and splitting into whole 32-element blocks per rank (a colwise weight's N = H * 192 rows,
   quantized along N for the backward).
@@ -206,6 +207,11 @@ def _rmsnorm_rule(x, gamma, eps, zero_centered_gamma, elem, backend):
     return [_replicated(6, (x, gamma, eps, zero_centered_gamma, elem, backend))]
 
 
+@_register(_OPS.rmsnorm_backward.default)
+def _rmsnorm_backward_rule(dy, x, gamma, rstd, zero_centered_gamma, backend):
+    return [_replicated(2, (dy, x, gamma, rstd, zero_centered_gamma, backend))]
+
+
 # --------------------------------------------------------------------------------------------------
 # attention
 # --------------------------------------------------------------------------------------------------
@@ -258,7 +264,8 @@ def _attention_backward_rule(do, q, q_codes, q_scales, q_format, k, k_codes, k_s
 
 
 RULES = ("mla_q_uproj_rope_quant", "mla_q_uproj_rope_quant_backward", "rope", "rope_backward",
-         "mla_kv_mxfp8", "mla_kv_mxfp8_pe_backward", "mxfp8_dequantize", "rmsnorm_mxfp8", "mla_attention",
+         "mla_kv_mxfp8", "mla_kv_mxfp8_pe_backward", "mxfp8_dequantize", "rmsnorm_mxfp8", "rmsnorm_backward",
+         "mla_attention",
          "mla_attention_backward")
 
 

@@ -55,6 +55,8 @@ def _calls(device):
         ("mla_q_uproj_rope_quant", (t(x), t(w), t(cos), t(sin)), {}),
         ("mla_q_uproj_rope_quant_backward", (t(xr), t(x), t(w), t(cos), t(sin)), {}),
         ("rmsnorm_mxfp8", (t(x), t(rng.standard_normal(K).astype(np.float32))), {}),
+        ("rmsnorm_backward", (t(xr.reshape(-1, K)[:T]), t(x), t(rng.standard_normal(K).astype(np.float32)),
+                              t(rng.random(T).astype(np.float32) + 0.5)), {}),
         ("mla_kv_quantize", (kv[..., :128], t(k_pe), kv[..., 128:]), {"layout": "bshd"}),
         ("mla_attention", (t(q), t(k), t(v)), {"causal": True}),
         ("mla_attention_backward", (t(do), t(q), t(k), t(v), t(o), t(lse)), {"causal": True}),
