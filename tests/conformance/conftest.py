@@ -66,6 +66,23 @@ def triton_target(request):
     return "triton", request.param
 
 
+@pytest.fixture
+def poisoned_torch_empty(monkeypatch):
+    """torch.empty filled with 0xFF bytes (NaN floats, 255 codes / scales) for the test's duration, so an
+    output element a backend forgets to write fails the comparison."""
+    if torch is None:
+        pytest.skip("torch is not installed")
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.numel():
+            t.view(torch.uint8).fill_(0xFF)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
 # nodeid -> ops a test ran, read by `mxmla check` to build its op x backend table.
 OPS_BY_TEST: dict = {}
 

@@ -44,20 +44,6 @@ def _seed(*parts) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(parts).encode()))
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty filled with 0xFF bytes (NaN floats) for the test's duration."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.numel():
-            t.view(torch.uint8).fill_(0xFF)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _bounds(dy, x, gamma, rstd, zero_centered):
     """(E for dx, E_g for dgamma): the module docstring's fp32 bounds, from float64 magnitudes."""
     x32, dy32 = np.asarray(x).astype(f32), np.asarray(dy).astype(f32)
@@ -128,26 +114,26 @@ def _inputs(rng, tokens, d, x_dtype=BF16, dy_dtype=BF16, g_dtype=f32):
 @pytest.mark.parametrize("x_dtype, g_dtype", [(BF16, f32), (f32, BF16), (np.float16, f32)],
                          ids=["x_bf16", "x_f32", "x_f16"])
 @pytest.mark.parametrize("d", [64, 512, 1536])
-def test_random(target, poisoned_empty, d, x_dtype, g_dtype, dy_dtype):
+def test_random(target, poisoned_torch_empty, d, x_dtype, g_dtype, dy_dtype):
     tokens = 67  # odd: no row block divides it
     rng = _seed("rms-bwd", d, str(np.dtype(x_dtype)), str(np.dtype(g_dtype)), str(np.dtype(dy_dtype)))
     _check(target, *_inputs(rng, tokens, d, x_dtype, dy_dtype, g_dtype), what=f"D={d}")
 
 
 @pytest.mark.parametrize("tokens", [1, 33, 200])
-def test_zero_centered_and_token_counts(target, poisoned_empty, tokens):
+def test_zero_centered_and_token_counts(target, poisoned_torch_empty, tokens):
     rng = _seed("rms-bwd-zc", tokens)
     dy, x, gamma, rstd = _inputs(rng, tokens, 512)
     _check(target, dy, x, (0.1 * gamma).astype(f32), rstd, True, what=f"T={tokens}")
 
 
-def test_no_tokens(target, poisoned_empty):
+def test_no_tokens(target, poisoned_torch_empty):
     dy, x, gamma, rstd = _inputs(_seed("rms-bwd-empty"), 0, 64)
     dx, dgamma = _check(target, dy, x, gamma, rstd)
     assert np.all(to_numpy(dgamma) == 0)
 
 
-def test_special_values(target, poisoned_empty):
+def test_special_values(target, poisoned_torch_empty):
     """Zeros, all-zero rows of x (rstd = 1/sqrt(eps)) and of dy, large and tiny rows."""
     rng = _seed("rms-bwd-special")
     tokens, d = 41, 512
@@ -166,7 +152,7 @@ def test_special_values(target, poisoned_empty):
     _check(target, dy, x, gamma, rmsnorm_rstd(x.astype(f32), 1e-6))
 
 
-def test_nan_propagates(target, poisoned_empty):
+def test_nan_propagates(target, poisoned_torch_empty):
     """A NaN in dy makes its row's dx and its column's dgamma NaN (any summation order)."""
     dy, x, gamma, rstd = _inputs(_seed("rms-bwd-nan"), 20, 64, f32, f32)
     dy[3, 9] = np.nan
@@ -174,7 +160,7 @@ def test_nan_propagates(target, poisoned_empty):
     assert np.all(np.isnan(to_numpy(dx)[3])) and np.isnan(to_numpy(dgamma)[9])
 
 
-def test_strided_rows(target, poisoned_empty):
+def test_strided_rows(target, poisoned_torch_empty):
     """x and dy as column slices of wider tensors (row stride > D)."""
     device = target[1]
     dy, x, gamma, rstd = _inputs(_seed("rms-bwd-strided"), 19, 96)
