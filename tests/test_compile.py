@@ -6,6 +6,8 @@ bytes equal to eager wherever the same kernels run in the same order.
   layout; codes, scales and gradients byte-equal to the eager node.
 - resolution: a resolved choice is what dispatch.select picks; a bad argument raises at trace time with
   the validator's words.
+- rmsnorm_mxfp8: its backward is the op rmsnorm_backward, resolved at trace time (torch, and Triton
+  under the interpreter), gradients byte-equal to eager.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 import dispatch
 import dispatch.autograd as mxag
 import dispatch.resolution as resolution
-from tests.util import assert_bytes_equal
+from tests.util import assert_bytes_equal, skip_without_triton_interpreter
 
 LAYOUTS = {"bshd": ((1, 64, 2), 1, 2), "sbhd": ((64, 1, 2), 0, 2), "thd": ((64, 2), 0, 1)}
 
@@ -211,6 +213,41 @@ def test_q_projection_compiled_one_op_reads_the_copies(rope_style, monkeypatch):
     forward, backward = graphs
     assert "mxmla.rmsnorm_mla_q.default" in forward and "mxfp8_quantize" not in forward
     assert "mxmla.rmsnorm_mla_q_backward.default" in backward
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_rmsnorm_compiled_backward_is_the_op(backend, monkeypatch):
+    """rmsnorm_mxfp8 compiled (fullgraph): its backward is the custom op mxmla::rmsnorm_backward with the
+    backend resolved at trace time (no dispatch.run in a compiled call), gradients byte-equal to eager."""
+    if backend == "triton":
+        skip_without_triton_interpreter()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 96, generator=gen).bfloat16().requires_grad_(True)
+    gamma = (1 + 0.1 * torch.randn(96, generator=gen)).requires_grad_(True)
+    g1, g2 = torch.randn(64, 96, generator=gen), torch.randn(64, 96, generator=gen)
+
+    def f(x, gamma):
+        y_row, y_col, _ = mxag.rmsnorm_mxfp8(x, gamma, backend=backend)
+        return (mxag.mxfp8_dequantize(y_row) * g1).sum() + (mxag.mxfp8_dequantize(y_col) * g2).sum()
+
+    def run(fn):
+        x.grad = gamma.grad = None
+        fn(x, gamma).backward()
+        return [_bits(x.grad), _bits(gamma.grad)]
+
+    want = run(f)
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=_graphs_backend(graphs))
+    run(compiled)
+    with DispatchCounter(monkeypatch) as counter:
+        got = run(compiled)
+    assert counter.calls == []
+    for name, a, b in zip(("dx", "dgamma"), want, got):
+        assert_bytes_equal(b, a, name)
+    call = next(line for line in graphs[1].splitlines() if "mxmla.rmsnorm_backward.default" in line)
+    resolved = f"={backend or 'torch'};{backend or ''}"  # the CPU's automatic choice is torch
+    assert call.endswith(f", {resolved}), kwargs = {{}})"), call
 
 
 def test_attention_module_compiled_no_dispatch(monkeypatch):
