@@ -66,7 +66,7 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "e.g. sm90; matched by what Triton specializes on, any shape) compiles every kernel recorded on that path on "
            "background threads; 0: each kernel compiles at its first launch"),
     Switch("MXMLA_TRITON_FAST_LAUNCH", FLAG, "1",
-           "triton: _common.fast_launch (quantize, dequantize, rmsnorm, mla_kv, rope, the Gluon mla_q forward, gated fallbacks)",
+           "triton: _common.fast_launch (quantize, dequantize, rmsnorm forward and backward, mla_kv, rope, the Gluon mla_q forward, gated fallbacks)",
            "1: a repeated launch (same kernel, device, argument values and pointer alignment) calls the "
            "compiled kernel directly, skipping the autotuner's and Triton's per-launch argument handling; "
            "0: every launch through Triton's own path"),
@@ -78,6 +78,10 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "those codes live (2 bytes an element; the forward's row copy and the backward's column copy one each): "
            "for a weight that serves several calls per update (gradient accumulation, inference); 0: dequantized "
            "on every call (a weight re-quantized every step gains nothing from the copies)"),
+    Switch("MXMLA_TRITON_RMSNORM_BACKWARD", FLAG, "0", "triton: rmsnorm_backward (its capability check on a GPU)",
+           "1: Triton's one-pass RMSNorm backward serves CUDA calls; 0: it declines them (the torch backend serves), "
+           "since it has been compiled offline for sm90 and tested under the interpreter but not yet run on a GPU. "
+           "CPU calls under TRITON_INTERPRET are served either way"),
     Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm, mla_kv)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
 )}
