@@ -4,8 +4,9 @@ For the physically transposed MXFP8 copies (dispatch.weights): codes and scales 
 and torch's strided copy of them (`.t().contiguous()`, `out.copy_(src.t())`) moves one byte per lane
 with one side uncoalesced. The Triton kernel (backends.triton.transpose) moves tiles, coalesced on both
 sides. It serves where the Triton backend is available and can run on the tensors (CUDA, or CPU under
-TRITON_INTERPRET=1) and the caller's backend request allows triton; otherwise torch's copy does. The
-bytes are the same either way.
+TRITON_INTERPRET=1) and the request allows triton: the caller's `backend=`, else MXMLA_BACKEND's entry
+for `mxfp8_quantize` (the op that made the bytes it moves; e.g. MXMLA_BACKEND=torch turns it off);
+otherwise torch's copy does. The bytes are the same either way.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import backends as _backends
 from backends import registry as _registry
 from backends import settings as _settings
 
-from .policy import parse_backend_list, split_entry
+import dispatch as _dispatch
+
+from .policy import split_entry
 
 __all__ = ["transpose_bytes_into"]
 
@@ -41,13 +44,14 @@ def _check(src, out) -> None:
         raise ValueError(f"out: expected src's device {src.device}, got {out.device}")
 
 
-_chosen: dict = {}  # (device, backend request, interpreter on) -> the Triton launcher or None
+_chosen: dict = {}  # (device, backend=, MXMLA_BACKEND, interpreter on) -> the Triton launcher or None
 
 
 def _triton_kernel(src: Tensor, out: Tensor, backend: Optional[str]):
     """The Triton transpose when it may and can serve (src, out), else None; decided once per device,
-    backend request and interpreter mode (what the decision reads of the tensors is their device)."""
-    key = (src.device, backend, _settings.interpret_mode())
+    backend request (MXMLA_BACKEND's value too) and interpreter mode (what the decision reads of the
+    tensors is their device)."""
+    key = (src.device, backend, _dispatch._env_raw() if backend is None else None, _settings.interpret_mode())
     kernel = _chosen.get(key, _chosen)
     if kernel is _chosen:
         kernel = _chosen[key] = _choose(src, out, backend)
@@ -55,7 +59,7 @@ def _triton_kernel(src: Tensor, out: Tensor, backend: Optional[str]):
 
 
 def _choose(src: Tensor, out: Tensor, backend: Optional[str]):
-    requested = parse_backend_list(backend, "backend") if backend is not None else None
+    requested = _dispatch._request("mxfp8_quantize", backend)[0]
     if requested is not None and "triton" not in {split_entry(entry)[0] for entry in requested}:
         return None
     _backends.load()
@@ -70,8 +74,8 @@ def _choose(src: Tensor, out: Tensor, backend: Optional[str]):
 def transpose_bytes_into(src: Tensor, out: Tensor, *, backend: Optional[str] = None) -> Tensor:
     """Write src.t() into out: src [R, C] and out [C, R], 1-byte elements (uint8 / int8 / float8,
     bytes copied as they are, whatever the two dtypes), one device, any strides; out must not overlap
-    src. Returns out. `backend`: a backend request as mxmla's ops take (None: automatic); the Triton
-    kernel serves only where it allows triton. No autograd (the bytes are copied, not differentiated)."""
+    src. Returns out. `backend`: a backend request as mxmla's ops take (None: MXMLA_BACKEND's entry for
+    mxfp8_quantize, else automatic); the Triton kernel serves only where it allows triton. No autograd (the bytes are copied, not differentiated)."""
     _check(src, out)
     kernel = _triton_kernel(src, out, backend)
     with torch.no_grad():

@@ -102,6 +102,25 @@ def test_triton_kernel_not_used_when_the_backend_request_excludes_it(monkeypatch
     assert_bytes_equal(out, src.t().contiguous(), "backend=torch")
 
 
+@pytest.mark.parametrize("policy, kernel_runs", [("torch", False), ("mxfp8_quantize=torch;*=triton", False),
+                                                 ("mla_attention=cudnn;*=torch,triton", True)])
+def test_triton_kernel_follows_mxmla_backend_without_a_backend_argument(monkeypatch, policy, kernel_runs):
+    """With no backend=, MXMLA_BACKEND's entry for mxfp8_quantize (the op whose bytes it moves) decides
+    whether the kernel may serve; the same bytes either way."""
+    pytest.importorskip("triton")
+    from backends.triton import transpose
+
+    ran = []
+    monkeypatch.setattr(mxt, "_chosen", {})
+    monkeypatch.setattr(transpose, "transpose_reasons", lambda s, o: [])
+    monkeypatch.setattr(transpose, "transpose_bytes_into", lambda s, o: (ran.append(1), o.copy_(s.t())))
+    monkeypatch.setenv("MXMLA_BACKEND", policy)
+    src, out = _bytes((8, 40), "cpu"), poisoned_empty((40, 8), torch.uint8, "cpu")
+    mxt.transpose_bytes_into(src, out)
+    assert bool(ran) is kernel_runs, policy
+    assert_bytes_equal(out, src.t().contiguous(), policy)
+
+
 @pytest.mark.parametrize("src, out, exc, match", [
     (torch.zeros(4, 6, dtype=torch.uint8), torch.zeros(4, 6, dtype=torch.uint8), ValueError, "out: expected shape"),
     (torch.zeros(4, 6, dtype=torch.bfloat16), torch.zeros(6, 4, dtype=torch.uint8), TypeError, "src: expected 1-byte"),
