@@ -246,7 +246,8 @@ def test_rmsnorm_compiled_backward_is_the_op(backend, monkeypatch):
     for name, a, b in zip(("dx", "dgamma"), want, got):
         assert_bytes_equal(b, a, name)
     call = next(line for line in graphs[1].splitlines() if "mxmla.rmsnorm_backward.default" in line)
-    resolved = f"={backend or 'torch'};{backend or ''}"  # the CPU's automatic choice is torch
+    # the CPU's automatic choice is torch; Triton's kernel is its "fused" variant
+    resolved = f"={'triton:fused' if backend == 'triton' else 'torch'};{backend or ''}"
     assert call.endswith(f", {resolved}), kwargs = {{}})"), call
 
 

@@ -177,12 +177,12 @@ def test_errors(change, exc, pattern):
 
 
 def test_triton_kernel_declines_cuda_calls_until_switched_on(monkeypatch):
-    """Until a GPU has run it, Triton's RMSNorm backward gives a reason for a CUDA call (naming the switch)
-    and none with MXMLA_TRITON_RMSNORM_BACKWARD=1; the check reads only metadata (meta tensors stand in)."""
+    """Until a GPU has run it, Triton's RMSNorm kernel (variant "fused") gives a reason for a CUDA call
+    (naming the switch) and none with MXMLA_TRITON_RMSNORM_BACKWARD=1; the check reads only metadata
+    (meta tensors stand in)."""
     torch = pytest.importorskip("torch")
     rb = pytest.importorskip("backends.triton.rmsnorm_backward")
     monkeypatch.setattr(rb, "interpret_mode", lambda: False)
-    monkeypatch.setattr(rb, "triton_reasons", lambda *ts: [])
     cuda = dict(device="meta")
     x, dy = torch.empty(8, 64, dtype=torch.bfloat16, **cuda), torch.empty(8, 64, dtype=torch.bfloat16, **cuda)
     gamma, rstd = torch.empty(64, **cuda), torch.empty(8, **cuda)
@@ -195,10 +195,10 @@ def test_triton_kernel_declines_cuda_calls_until_switched_on(monkeypatch):
             return self.t.stride(*a)
 
     monkeypatch.delenv("MXMLA_TRITON_RMSNORM_BACKWARD", raising=False)
-    reasons = rb._rmsnorm_backward_reasons(OnCuda(dy), OnCuda(x), gamma, rstd)
+    reasons = rb._fused_reasons(OnCuda(dy), OnCuda(x), gamma, rstd)
     assert any("MXMLA_TRITON_RMSNORM_BACKWARD=1" in r for r in reasons), reasons
     monkeypatch.setenv("MXMLA_TRITON_RMSNORM_BACKWARD", "1")
-    assert rb._rmsnorm_backward_reasons(OnCuda(dy), OnCuda(x), gamma, rstd) == []
+    assert rb._fused_reasons(OnCuda(dy), OnCuda(x), gamma, rstd) == []
 
 
 _SM90_COMPILE = """

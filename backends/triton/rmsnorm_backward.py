@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..registry import register
+from ..registry import register, register_variant
 from ._common import cdiv, env_flag, fast_launch, interpret_mode, sm_count, triton_reasons
 from ._fpbits import round_f32, widen_f32
 
@@ -80,11 +80,15 @@ def launch_config(n_rows: int, d: int, device) -> dict:
             "programs": max(1, cdiv(tiles, tiles_per_program)), "tiles_per_program": tiles_per_program}
 
 
-def _rmsnorm_backward_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> List[str]:
-    reasons = triton_reasons(dy, x, gamma, rstd)
+def _backend_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> List[str]:
+    return triton_reasons(dy, x, gamma, rstd)
+
+
+def _fused_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> List[str]:
+    reasons = []
     if x.device.type == "cuda" and not interpret_mode() and not env_flag("MXMLA_TRITON_RMSNORM_BACKWARD", False):
         # a gate, not a limit: the kernel compiles offline for sm90 and passes its conformance tests under
-        # the interpreter, but no GPU has run it yet
+        # the interpreter, but no GPU has run it yet; the "composed" variant serves meanwhile
         reasons.append("not yet run on a GPU (compiled offline for sm90, tested under TRITON_INTERPRET): "
                        "MXMLA_TRITON_RMSNORM_BACKWARD=1 lets it serve CUDA calls")
     d = x.shape[1]
@@ -96,10 +100,21 @@ def _rmsnorm_backward_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> 
     return reasons
 
 
-@register("rmsnorm_backward", "triton", check=_rmsnorm_backward_reasons)
-def rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False):
-    """spec.rmsnorm_backward in one kernel (module docstring). Returns (dx in x's dtype, dgamma in
-    gamma's dtype)."""
+# "fused": the kernel above. "composed": the torch backend's elementwise ops and reductions (any D, any
+# strides), so that a call asking for triton is served where the kernel declines.
+register_variant("rmsnorm_backward", "triton", "fused", 20, check=_fused_reasons)
+register_variant("rmsnorm_backward", "triton", "composed", 10)
+
+
+@register("rmsnorm_backward", "triton", check=_backend_reasons)
+def rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False, variant=None):
+    """spec.rmsnorm_backward: the kernel (module docstring), or with variant "composed" the torch
+    backend's ops. Returns (dx in x's dtype, dgamma in gamma's dtype). variant: the dispatcher's choice
+    (None: the kernel)."""
+    if variant == "composed":
+        from backends.torch.rmsnorm import rmsnorm_backward as composed
+
+        return composed(dy, x, gamma, rstd, zero_centered_gamma)
     n_rows, d = x.shape
     gamma, rstd = gamma.contiguous(), rstd.contiguous()
     dx = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)

@@ -216,15 +216,18 @@ def test_interpreter_configs_cover_row_tails():
 
 
 def test_triton_reasons(triton_target):
-    """Rows wider than one tile, or with strided columns, are refused with the reason (never copied)."""
+    """The kernel ("fused") refuses rows wider than one tile or with strided columns, with the reason
+    (never copied); asked for triton alone, such a call goes to the "composed" variant instead."""
     import dispatch
 
     device = triton_target[1]
     wide = torch.zeros(2, 8224, dtype=torch.bfloat16, device=device)
+    wide_args = (wide, wide, torch.ones(8224, device=device), torch.ones(2, device=device))
     with pytest.raises(dispatch.BackendUnavailable, match="wider than one tile"):
-        dispatch.run("rmsnorm_backward", wide, wide, torch.ones(8224, device=device),
-                     torch.ones(2, device=device), backend="triton")
+        dispatch.run("rmsnorm_backward", *wide_args, backend="triton:fused")
     x_t = torch.zeros(64, 4, dtype=torch.bfloat16, device=device).t()
+    strided_args = (x_t.contiguous(), x_t, torch.ones(64, device=device), torch.ones(4, device=device))
     with pytest.raises(dispatch.BackendUnavailable, match=r"x: rows are not contiguous"):
-        dispatch.run("rmsnorm_backward", x_t.contiguous(), x_t, torch.ones(64, device=device),
-                     torch.ones(4, device=device), backend="triton")
+        dispatch.run("rmsnorm_backward", *strided_args, backend="triton:fused")
+    for args in (wide_args, strided_args):
+        assert dispatch.select("rmsnorm_backward", *args, backend="triton") == "triton:composed"
