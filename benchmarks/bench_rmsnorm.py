@@ -2,6 +2,9 @@
 D = 1536 (q_a norm) and D = 7168 (hidden): triton (one kernel) vs torch eager vs torch.compile of the
 eager op vs a copy of x (2 bytes read + 2 written per element: the same traffic as the op's
 x read + two 1-byte code writes, so "vs copy" is the fraction of the bandwidth roof reached).
+Its backward (`rmsnorm_backward`, bf16 dy and x in, bf16 dx and fp32 dgamma out: 6 bytes an element):
+Triton's one-pass kernel (variant fused, called directly) vs the torch ops (eager, and torch.compile
+of them); "vs copy" is again the fraction of copy bandwidth (the copy's time scaled to 6 bytes).
 
     python benchmarks/bench_rmsnorm.py [--quick] [--tokens 1024,...] [--no-compile] [--json PATH]   # GPU
     python benchmarks/bench_rmsnorm.py --smoke                     # tiny shapes, CPU interpreter OK
@@ -28,6 +31,7 @@ import backends  # noqa: E402
 backends.load()
 from backends.torch import rmsnorm as torch_rmsnorm  # noqa: E402
 from backends.triton import rmsnorm as triton_rmsnorm  # noqa: E402
+from backends.triton import rmsnorm_backward as triton_rmsnorm_backward  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 bench_ms, first_call_s = benchlib.bench_ms, benchlib.first_call_s
@@ -89,14 +93,43 @@ def measure():
                 continue
             REC.row(op="rmsnorm_mxfp8", impl=name, ms=ms, tbps=nbytes / ms / 1e9, ratio=copy_ms / ms, vs="copy",
                     bytes=nbytes, same=same, **common)
+        measure_backward(x, gamma, ref[2], copy_ms, common)
         del x, ref
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
 
 
+def measure_backward(x, gamma, rstd, copy_ms, common):
+    T, D = x.shape
+    dy = torch.randn(T, D, generator=torch.Generator(device="cpu").manual_seed(1)).to(torch.bfloat16).to(DEVICE)
+    gamma32 = gamma.float()
+    nbytes = 6 * x.numel() + D * 4 + T * 4
+    roof_ms = copy_ms * nbytes / (4 * x.numel())
+    impls = [("triton fused", lambda: triton_rmsnorm_backward.rmsnorm_backward(dy, x, gamma32, rstd)),
+             ("torch eager", lambda: torch_rmsnorm.rmsnorm_backward(dy, x, gamma32, rstd))]
+    if DEVICE == "cuda" and not ARGS.no_compile:
+        compiled = benchlib.compile_static(torch_rmsnorm.rmsnorm_backward)
+        impls.append(("torch.compile(eager)", lambda: compiled(dy, x, gamma32, rstd)))
+    ref = None
+    for name, fn in impls:
+        try:
+            secs = first_call_s(fn)
+            out = fn()
+            same = ref is None or (torch.equal(out[0].view(torch.int16), ref[0].view(torch.int16))
+                                   and torch.equal(out[1].view(torch.int32), ref[1].view(torch.int32)))
+            ref = out if ref is None else ref
+            ms = bench_ms(fn)
+        except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+            REC.note(f"rmsnorm_backward {name} {common['shape']}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+            continue
+        REC.note(f"rmsnorm_backward {name} {common['shape']}: first call {secs:.2f} s")
+        REC.row(op="rmsnorm_backward", impl=name, ms=ms, tbps=nbytes / ms / 1e9, ratio=roof_ms / ms, vs="copy",
+                bytes=nbytes, same=same, **common)
+
+
 def main():
     REC.run(measure)
-    REC.finish([("op", "op", 14, ""), ("shape", "shape", 20, ""), ("impl", "impl", 22, ""), benchlib.MS,
+    REC.finish([("op", "op", 16, ""), ("shape", "shape", 20, ""), ("impl", "impl", 22, ""), benchlib.MS,
                 benchlib.TBPS, ("ratio", "vs copy", 8, ".3f"), benchlib.OF_ROOF, ("same", "same", 5, "")])
 
 
