@@ -52,6 +52,10 @@ class Variant:
     priority: int  # higher first when nothing is named
     check: Optional[Check] = None
     doc: str = ""
+    bf16_twin: str = ""
+    """For MXFP8 operands: the variant of the same backend and op that this one equals on the operands'
+    exact bf16 dequantizations (spec's mxfp8_dequantize to bfloat16), or "" (it is no such composition).
+    A compiled graph may then run the dequantizations as ops of their own and free the codes sooner."""
 
     def reasons(self, *args, **kwargs) -> List[str]:
         """Why this variant cannot serve the call; [] when it can."""
@@ -87,13 +91,13 @@ def register(op: str, backend: str, check: Optional[Check] = None):
 
 
 def register_variant(op: str, backend: str, name: str, priority: int, check: Optional[Check] = None,
-                     doc: str = "") -> Variant:
+                     doc: str = "", bf16_twin: str = "") -> Variant:
     """Declare kernel variant `name` of `backend`'s `op` (see the module docstring)."""
     if op not in _variants:
         raise ValueError(f"register_variant: unknown op {op!r}; valid ops: {', '.join(OPS)}")
     if not name or not all(c.isalnum() or c == "_" for c in name):
         raise ValueError(f"register_variant: name must be letters, digits and '_', got {name!r}")
-    variant = Variant(op, backend, name, int(priority), check, doc)
+    variant = Variant(op, backend, name, int(priority), check, doc, bf16_twin)
     with _lock:
         _variants[op].setdefault(backend, {})[name] = variant
     return variant

@@ -777,6 +777,27 @@ def _attention_setup(ctx, inputs, output):
     ctx.dtypes = tuple(None if t is None else t.dtype for t in (q, k, v))
 
 
+def _dequantized_twin(backend: Optional[str], *operands) -> Optional[Tuple[List[Tensor], str]]:
+    """While AOTAutograd traces a compiled backward whose resolved attention backward is, on MXFP8 q, k
+    and v, its bf16 twin on their exact bf16 dequantizations (`resolution.bf16_twin`; cuDNN's sm90
+    route): ([q, k, v] dequantized by mxfp8_dequantize ops of their own, the twin's choice). Inside one
+    op the saved codes would stay alive through the whole bf16 backward; as graph nodes of their own,
+    the graph frees them at their last use, before the gradients are allocated. None otherwise (eager
+    calls, plain operands, any other route, or no dequantize backend for these operands)."""
+    if not all(fmt for _, _, fmt in operands):
+        return None
+    choice = _resolution.bf16_twin("mla_attention_backward", backend)
+    if choice is None:
+        return None
+    mx = [_operand(None, codes, scales, fmt) for codes, scales, fmt in operands]
+    try:
+        dequantize = [_resolution.resolve("mxfp8_dequantize", t, out_dtype="bfloat16") for t in mx]
+    except Exception:  # noqa: BLE001 -- no backend dequantizes these here: keep the one op
+        return None
+    return ([_dequantize_op(None, codes, scales, fmt, "bfloat16", how)
+             for (codes, scales, fmt), how in zip(operands, dequantize)], choice)
+
+
 def _attention_backward(ctx, do, _lse_grad):
     none = [None] * 18
     if do is None:
@@ -789,6 +810,13 @@ def _attention_backward(ctx, do, _lse_grad):
                                _operand(k, k_codes, k_scales, k_format), _operand(v, v_codes, v_scales, v_format), o,
                                lse, contiguous=(0, 1, 2, 3), causal=causal, softmax_scale=softmax_scale,
                                layout=layout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv)
+    twin = _dequantized_twin(backend, (q_codes, q_scales, q_format), (k_codes, k_scales, k_format),
+                             (v_codes, v_scales, v_format))
+    if twin is not None:  # compiled: the same bytes, the saved codes freed before the bf16 backward runs
+        (q16, k16, v16), backend = twin
+        q_codes = q_scales = k_codes = k_scales = v_codes = v_scales = None
+        q_format = k_format = v_format = ""
+        q, k, v = q16, k16, v16
     grads = _call(_attention_backward_op, do, q, q_codes, q_scales, q_format, k, k_codes, k_scales, k_format, v, v_codes,
                                    v_scales, v_format, o, lse, causal, softmax_scale, layout, cu_seqlens_q,
                                    cu_seqlens_kv, backend)

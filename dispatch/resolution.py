@@ -40,10 +40,11 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 import dispatch as _dispatch
 import backends as _backends
+from backends import registry as _registry
 from spec.mxtensor import MXTensor
 
 __all__ = ["RESOLVED", "resolve", "resolve_described", "resolve_parts", "describe", "mx_description", "stand_in",
-           "is_resolved", "request_of", "run"]
+           "is_resolved", "request_of", "run", "bf16_twin"]
 
 RESOLVED = "="  # leading mark of a backend string that names a resolved choice: "=choice;request"
 
@@ -196,3 +197,14 @@ def run(op: str, *args, backend: Optional[str] = None, **kwargs):
     if is_resolved(backend):
         return _function(op, backend)(*args, **kwargs)
     return _dispatch.run(op, *args, backend=backend, **kwargs)
+
+
+def bf16_twin(op: str, choice: Optional[str]) -> Optional[str]:
+    """For a resolved choice of `op` on MXFP8 operands whose variant declares a bf16 twin (backends'
+    `register_variant(..., bf16_twin=)`): the resolved choice of that twin, which on the operands' exact
+    bf16 dequantizations computes the same bytes. None otherwise."""
+    if not is_resolved(choice):
+        return None
+    name, _, variant = choice[len(RESOLVED):].partition(";")[0].partition(":")
+    found = [v for v in _registry.variants(op, name) if v.name == variant and v.bf16_twin]
+    return f"{RESOLVED}{name}:{found[0].bf16_twin};{choice.partition(';')[2]}" if found else None

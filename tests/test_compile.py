@@ -334,6 +334,31 @@ def test_block_compiled_trains_like_eager(path, monkeypatch):
     assert counter.calls == [], counter.calls
 
 
+def test_attention_backward_dequantizes_apart_for_a_bf16_twin(monkeypatch):
+    """Where the resolved attention backward declares a bf16 twin (cuDNN's sm90 route; stood in for
+    here by the torch backend, whose MXFP8 attention equals its bf16 one on the exact bf16
+    dequantizations of normal-range codes), the compiled backward dequantizes q, k and v as graph
+    nodes of their own and calls the twin on bf16 operands: the eager run's bytes, three optimizer
+    steps, and no dequantization where no twin is declared."""
+    mb, cfg, eager_model = _block("mxfp8")
+    want_losses, want_params, _ = _train(mb, cfg, eager_model, eager_model, 3)
+    for twin in (False, True):
+        if twin:
+            monkeypatch.setattr(resolution, "bf16_twin",
+                                lambda op, choice: choice if resolution.is_resolved(choice) else None)
+        _, _, model = _block("mxfp8")
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=_graphs_backend(graphs))
+        got_losses, got_params, _ = _train(mb, cfg, model, compiled, 3)
+        for i, (a, b) in enumerate(zip(want_losses, got_losses)):
+            assert_bytes_equal(b, a, f"loss {i}")
+        for i, (a, b) in enumerate(zip(want_params, got_params)):
+            assert_bytes_equal(b, a, f"parameter {i}")
+        backward = graphs[1]
+        assert backward.count("mxmla.mxfp8_dequantize.default") == (3 if twin else 0), backward
+
+
 @pytest.mark.parametrize("path", ["mxfp8", "bf16"])
 def test_block_compiled_at_changing_shapes_matches_eager(path):
     """torch.compile (default dynamic=None) marks sizes dynamic once they change (here: one block per shape,

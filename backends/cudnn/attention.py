@@ -961,7 +961,10 @@ def _backward_check(variant):
 
 for _name, _priority in ATTENTION_VARIANTS.items():
     register_variant("mla_attention", "cudnn", _name, _priority, check=_forward_check(_name))
-    register_variant("mla_attention_backward", "cudnn", _name, _priority, check=_backward_check(_name))
+    # the dequantized route's backward is the bf16 graph on _dequantize_bf16's outputs (spec's exact bf16
+    # dequantization): a compiled backward may dequantize apart and let the saved codes go first
+    register_variant("mla_attention_backward", "cudnn", _name, _priority, check=_backward_check(_name),
+                     bf16_twin="bf16" if _name == "dequantized" else "")
 
 
 @register("mla_attention", "cudnn", check=attention_reasons)
