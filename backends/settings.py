@@ -78,10 +78,6 @@ SWITCHES: Dict[str, Switch] = {s.name: s for s in (
            "those codes live (2 bytes an element; the forward's row copy and the backward's column copy one each): "
            "for a weight that serves several calls per update (gradient accumulation, inference); 0: dequantized "
            "on every call (a weight re-quantized every step gains nothing from the copies)"),
-    Switch("MXMLA_TRITON_RMSNORM_BACKWARD", FLAG, "0", "triton: rmsnorm_backward (the fused variant's check)",
-           "1: Triton's one-pass RMSNorm backward (variant fused) serves CUDA calls; 0: it declines them (the "
-           "composed variant or the torch backend serves), since it has been compiled offline for sm90 and tested "
-           "under the interpreter but not yet run on a GPU. Calls under TRITON_INTERPRET are served either way"),
     Switch("MXMLA_TRITON_SOFT_FP8", FLAG, "0", "triton: _mx_codec.use_hw_cvt (quantize, rmsnorm, mla_kv)",
            "1: fp8 and bf16 conversions on the bits instead of the hardware cvt (for A/B checks)"),
 )}

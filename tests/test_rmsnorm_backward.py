@@ -176,31 +176,6 @@ def test_errors(change, exc, pattern):
         rmsnorm_backward(**args)
 
 
-def test_triton_kernel_declines_cuda_calls_until_switched_on(monkeypatch):
-    """Until a GPU has run it, Triton's RMSNorm kernel (variant "fused") gives a reason for a CUDA call
-    (naming the switch) and none with MXMLA_TRITON_RMSNORM_BACKWARD=1; the check reads only metadata
-    (meta tensors stand in)."""
-    torch = pytest.importorskip("torch")
-    rb = pytest.importorskip("backends.triton.rmsnorm_backward")
-    monkeypatch.setattr(rb, "interpret_mode", lambda: False)
-    cuda = dict(device="meta")
-    x, dy = torch.empty(8, 64, dtype=torch.bfloat16, **cuda), torch.empty(8, 64, dtype=torch.bfloat16, **cuda)
-    gamma, rstd = torch.empty(64, **cuda), torch.empty(8, **cuda)
-
-    class OnCuda:  # x's device as a CUDA call has it; the rest of the metadata as x's
-        def __init__(self, t):
-            self.t, self.device, self.shape = t, torch.device("cuda", 0), t.shape
-
-        def stride(self, *a):
-            return self.t.stride(*a)
-
-    monkeypatch.delenv("MXMLA_TRITON_RMSNORM_BACKWARD", raising=False)
-    reasons = rb._fused_reasons(OnCuda(dy), OnCuda(x), gamma, rstd)
-    assert any("MXMLA_TRITON_RMSNORM_BACKWARD=1" in r for r in reasons), reasons
-    monkeypatch.setenv("MXMLA_TRITON_RMSNORM_BACKWARD", "1")
-    assert rb._fused_reasons(OnCuda(dy), OnCuda(x), gamma, rstd) == []
-
-
 _SM90_COMPILE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..registry import register, register_variant
-from ._common import cdiv, env_flag, fast_launch, interpret_mode, sm_count, triton_reasons
+from ._common import cdiv, fast_launch, sm_count, triton_reasons
 from ._fpbits import round_f32, widen_f32
 
 MAX_D = 8192  # one row per tile: wider rows would spill the registers
@@ -86,11 +86,6 @@ def _backend_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> List[str]
 
 def _fused_reasons(dy, x, gamma, rstd, zero_centered_gamma=False) -> List[str]:
     reasons = []
-    if x.device.type == "cuda" and not interpret_mode() and not env_flag("MXMLA_TRITON_RMSNORM_BACKWARD", False):
-        # a gate, not a limit: the kernel compiles offline for sm90 and passes its conformance tests under
-        # the interpreter, but no GPU has run it yet; the "composed" variant serves meanwhile
-        reasons.append("not yet run on a GPU (compiled offline for sm90, tested under TRITON_INTERPRET): "
-                       "MXMLA_TRITON_RMSNORM_BACKWARD=1 lets it serve CUDA calls")
     d = x.shape[1]
     if d > MAX_D:
         reasons.append(f"x: D = {d} is wider than one tile of the kernel (at most {MAX_D} columns)")

@@ -40,13 +40,6 @@ _ROUNDING = {np.dtype(f32): (0.0, 2.0 ** -120), np.dtype(BF16): (2.0 ** -8, 2.0 
              np.dtype(np.float16): (2.0 ** -11, 2.0 ** -24)}  # (unit roundoff, absolute floor)
 
 
-@pytest.fixture(autouse=True)
-def _triton_kernel_on_gpus(monkeypatch):
-    """Triton's kernel declines CUDA calls by default until a GPU has run it (backends/settings.py,
-    MXMLA_TRITON_RMSNORM_BACKWARD): these tests are that run, so they let it serve."""
-    monkeypatch.setenv("MXMLA_TRITON_RMSNORM_BACKWARD", "1")
-
-
 def _seed(*parts) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(parts).encode()))
 
