@@ -26,9 +26,11 @@ MXTensors they return, the weight's copies come from the caller's `WeightCopies`
 `dispatch.weights.plain_copies` (the same cache, so copies made after an optimizer step are reused),
 and one node's backward computes what the composition's chain of three backwards computes, in the same order and dtypes:
 - `mla_q_uproj_rope_quant_backward` (quantize_grad=True) on dq with y blocked along T and w along N;
-- dy = dx as it comes (bf16), then the op `rmsnorm_backward` with the forward's rstd: the gradients of x
-  and gamma. The composition casts dy to float32 first (RMSNorm's gradient proxy); bf16 -> fp32 is
-  exact and the op widens dy itself, so the values are the same without that extra pass;
+- dy = dx cast to float32, as the composition's RMSNorm gradient proxy casts it, then the op
+  `rmsnorm_backward` with the forward's rstd: the gradients of x and gamma. The values would be the same
+  from bf16 (the op widens dy itself), but the bytes need not be: Triton lays out a load by its element
+  size (8 bf16 or 4 fp32 per thread), and a row's sum adds in that order, so the same dtype keeps the
+  node byte-equal to the composition (the cast moves ~3 bytes per element of dy more);
 - dw cast to bfloat16 (the dtype of the weight's proxy), then `dispatch.weights.weight_grad` (scatter
   back through `rows`, cast to w's dtype).
 Only q_row is returned (the composition's q_col is not read by attention). RMSNorm's arguments are
@@ -79,7 +81,7 @@ def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, ba
                   backend=backend)
     dx = dgamma = None
     if needs[0] or needs[1]:
-        dx, dgamma = _run("rmsnorm_backward", dy.contiguous(), x.contiguous(), gamma.contiguous(), rstd.contiguous(),
+        dx, dgamma = _run("rmsnorm_backward", dy.float().contiguous(), x.contiguous(), gamma.contiguous(), rstd.contiguous(),
                           zero_centered_gamma=False, backend=norm_backend)
     return dx, dgamma, dw.contiguous().to(torch.bfloat16)
 
@@ -212,8 +214,8 @@ def _backward_rule(ctx, dq, *_unused):
                          "e4m3", "compact")
         backend = _resolution.resolve("mla_q_uproj_rope_quant_backward", dq, y_col, w_col, cos, sin, contiguous=(0,),
                                       quantize_grad=True, backend=backend)
-        # RMSNorm's dy is the fused backward's dx, made inside the op: bf16 [T, K]
-        dy = _resolution.stand_in(x.shape, torch.bfloat16, x.device)
+        # RMSNorm's dy is the fused backward's dx cast to float32 inside the op: [T, K]
+        dy = _resolution.stand_in(x.shape, torch.float32, x.device)
         norm_backend = _resolution.resolve("rmsnorm_backward", dy, x, gamma, rstd, contiguous=(0, 1, 2, 3),
                                            zero_centered_gamma=False, backend=backend)
     dx, dgamma, dw16 = _rmsnorm_mla_q_backward_op(dq, x, gamma, rstd, y_codes, y_scales, w_codes_t, w_scales_t, cos,

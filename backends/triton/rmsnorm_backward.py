@@ -7,7 +7,9 @@ Kernel design (`_rmsnorm_backward_kernel`, memory bound: x, dy read once, dx wri
 - Per tile, spec's steps in fp32 with one RN each (launched with enable_fp_fusion=False: no FMA, so
   every elementwise value is spec's): xhat = x * rstd, dxhat = dy * g, c = sum_D(dxhat * xhat) *
   RN32(1/D), dx = rstd * (dxhat - xhat * c), rounded once to x's dtype. x, dy and gamma are read in
-  their own dtypes (bf16 widened exactly on its bits), so a bf16 dy needs no fp32 copy first.
+  their own dtypes (bf16 widened exactly on its bits). The compiler lays a load out by its element size
+  and a row sum adds in that layout's order, so a bf16 dy and its fp32 widening can differ in dx's
+  last bit.
 - dgamma: each program adds dy * xhat into a [BLOCK_T, BLOCK_D] fp32 accumulator tile by tile and
   reduces it over its rows once at the end into its row of `partials`; `partials.sum(0)` (a torch
   reduction with a fixed order) adds the programs' rows. The config depends only on T, D and the

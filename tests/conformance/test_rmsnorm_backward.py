@@ -170,17 +170,6 @@ def test_strided_rows(target, poisoned_torch_empty):
     _check(target, dy, x, gamma, rstd, x_torch=wide_x, dy_torch=wide_dy)
 
 
-def test_bf16_dy_gives_the_bytes_of_its_fp32_widening(target):
-    """A bf16 dy is read as it is: the same bytes as the fp32 copy the composition's proxy would hand
-    over (what lets the fused query path skip that copy)."""
-    device = target[1]
-    dy, x, gamma, rstd = (to_torch(a, device) for a in _inputs(_seed("rms-bwd-bf16-dy"), 45, 512))
-    narrow = run_on(target, "rmsnorm_backward", dy, x, gamma, rstd)
-    wide = run_on(target, "rmsnorm_backward", dy.float(), x, gamma, rstd)
-    for a, b, name in zip(narrow, wide, ("dx", "dgamma")):
-        assert_bytes_equal(a, b, f"{name} from bf16 dy vs fp32 dy")
-
-
 def test_two_runs_identical_bytes(target):
     device = target[1]
     dy, x, gamma, rstd = (to_torch(a, device) for a in _inputs(_seed("rms-bwd-determinism"), 300, 1536))
