@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
-#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block first hf titan
+#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block record first hf titan
 #                                   (default: info test sanitize bench)
 #   `test` (the whole pytest, up to TEST_CAP = 530 s) fills one 600 s device command by itself.
 #   block / first / hf / titan: the README's and BENCHMARKS' block, first-step, HF-layer and TorchTitan
@@ -93,10 +93,19 @@ for phase in $PHASES; do
     grep -A12 "^shape " "$OUT/block_$COMMIT.txt"
     summary+=("bench_block ($shapes): rc=$rc in $((SECONDS-start)) s; $OUT/block_$COMMIT.txt")
     ;;
+  record)
+    # the sm90 compile-ahead list recorded afresh (tools/record_pretuned.py: the block's eager and compiled
+    # mxfp8 paths and bf16, the patched HF layer) into the working tree, which the later phases then use;
+    # the list comes back as $OUT/<arch>.compile.json to be committed
+    script_phase record_pretuned "${RECORD_CAP:-150}" "$OUT/record_$COMMIT.log" 12 \
+      tools/record_pretuned.py --shapes "${RECORD_SHAPES:-B1S4096,B1S16384}"
+    cp backends/triton/pretuned/*.compile.json "$OUT/"
+    ;;
   first)
+    # FIRST_CASES: a comma list of first_step.py's cases (default: all six)
     start=$SECONDS
     python3 benchmarks/first_step.py --budget "${FIRST_CAP:-300}" --breakdown --json "$OUT/first_step_$COMMIT.json" \
-      > "$OUT/first_step_$COMMIT.txt" 2>&1
+      ${FIRST_CASES:+--cases "$FIRST_CASES"} > "$OUT/first_step_$COMMIT.txt" 2>&1
     rc=$?
     grep -v "^  \[" "$OUT/first_step_$COMMIT.txt" | tail -9
     summary+=("first_step: rc=$rc in $((SECONDS-start)) s; $OUT/first_step_$COMMIT.txt")

@@ -6,7 +6,8 @@ autotuners' choices into <device>.json (backends/triton/pretuned.py).
     python tools/record_pretuned.py [--shapes B1S4096,B1S16384] [--out DIR]            # compile lists
     MXMLA_TRITON_AUTOTUNE=1 MXMLA_TRITON_PRETUNED=0 python tools/record_pretuned.py --what pretuned,compile
 
-Runs forward + backward of examples/mla_block.py's block on the mxfp8 and bf16 paths at each shape,
+Runs forward + backward of examples/mla_block.py's block on the mxfp8, bf16 and mxfp8-compile paths
+(the compiled graph launches kernels the eager path does not: the attention backward's dequantizations) at each shape,
 and of transformers' DeepseekV3Attention patched to mxfp8 (where transformers is installed), each under
 compile_ahead.recording() as its own workload ("<model> <path> <shape>": compile_ahead opens the
 workloads of one path together, by that name's second word), then writes the workloads' launches. The lists match
@@ -48,7 +49,7 @@ def _record(name: str, step, workloads: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="B1S4096,B1S16384")
-    ap.add_argument("--paths", default="mxfp8,bf16")
+    ap.add_argument("--paths", default="mxfp8,bf16,mxfp8-compile")
     ap.add_argument("--no-hf", action="store_true", help="skip the patched transformers attention workload")
     ap.add_argument("--out", default=pretuned.DIR, help="folder for <arch>.compile.json and <device>.json")
     ap.add_argument("--what", default="compile", help="comma list of pretuned, compile")
