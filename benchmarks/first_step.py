@@ -31,8 +31,8 @@ autotuning timings). One table at the end. --smoke runs the cases' steps at tiny
 (mxmla's torch backend; the compiled mxfp8 cases with aot_eager; block-compile-bf16 only when named,
 as its torch.compile on a CPU means Inductor's C++ toolchain): a check that each case runs, not a timing.
 
-Time: on an H100 (55460c2) all six cases, fresh and second process each, took about 170 s: fresh steps
-of 3-4 s (eager) and 7-9 s (compiled), second processes 0.3-1.7 s, each child some 6-13 s more to
+Time: on an H100 (656cd06) all six cases, fresh and second process each, took about 190 s: fresh steps
+of 4-5 s (eager) and 8-11 s (compiled), second processes 0.3-2.2 s, each child some 7-14 s more to
 import and build. --budget (default 540 s) bounds the whole run so the table prints inside a
 600 s command: each child's limit is CHILD_TIMEOUT_S or what is left of the budget, and a case the
 budget no longer reaches is reported as not run.

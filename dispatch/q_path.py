@@ -30,7 +30,8 @@ and one node's backward computes what the composition's chain of three backwards
   `rmsnorm_backward` with the forward's rstd: the gradients of x and gamma. The values would be the same
   from bf16 (the op widens dy itself), but the bytes need not be: Triton lays out a load by its element
   size (8 bf16 or 4 fp32 per thread), and a row's sum adds in that order, so the same dtype keeps the
-  node byte-equal to the composition (the cast moves ~3 bytes per element of dy more);
+  node byte-equal to the composition (the cast reads 2 bytes and writes 4 per element of dy, and the kernel
+  reads 4 instead of 2: ~8 bytes an element more);
 - dw cast to bfloat16 (the dtype of the weight's proxy), then `dispatch.weights.weight_grad` (scatter
   back through `rows`, cast to w's dtype).
 Only q_row is returned (the composition's q_col is not read by attention). RMSNorm's arguments are
