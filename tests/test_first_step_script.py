@@ -133,3 +133,20 @@ def test_smoke_child_reports_compile_seconds_of_a_compiled_case(capsys):
         torch._dynamo.reset()
     assert 0 < got["hf-compile"]["compile_s"] <= got["hf-compile"]["step_s"]
     assert got["hf"]["compile_s"] == 0
+
+
+def test_record_pretuned_calls_the_step_builders_as_they_are_declared():
+    """tools/record_pretuned.py builds its patched-HF workload with first_step's step builder, on a GPU
+    only: every call it makes of a first_step function must bind to that function's signature here,
+    where no GPU is needed to find a stale call."""
+    import ast
+    import inspect
+
+    tree = ast.parse(Path(__file__).resolve().parent.parent.joinpath("tools", "record_pretuned.py").read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "first_step"]
+    assert calls, "record_pretuned no longer calls first_step"
+    for call in calls:
+        fn = getattr(first_step, call.func.attr)
+        args = [None] * len(call.args)
+        inspect.signature(fn).bind(*args, **{k.arg: None for k in call.keywords})  # TypeError: stale call
