@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -65,20 +66,28 @@ def main(argv=None) -> int:
     import bench_block as bb
     import first_step
 
-    workloads = {}
+    workloads, failed = {}, []
+
+    def attempt(name, build):
+        # one workload's failure is reported and leaves the others' launches to be written
+        try:
+            _record(name, build(), workloads)
+        except Exception:  # noqa: BLE001 -- reported below, and the exit status says so
+            traceback.print_exc()
+            failed.append(name)
+            print(f"{name}: FAILED, not recorded", flush=True)
+
     for shape in args.shapes.split(","):
         b, s = bb.parse_shape(shape)
         for path in args.paths.split(","):
-            bench = bb.Bench(bb.block_config(b, s, False), path)
-            _record(f"mla_block {path} B{b}S{s}", bench.step, workloads)
-            del bench
+            attempt(f"mla_block {path} B{b}S{s}", lambda: bb.Bench(bb.block_config(b, s, False), path).step)
     if not args.no_hf:
         try:
             import transformers  # noqa: F401
         except ImportError:
             print("transformers is not installed: no patched-attention workload", flush=True)
         else:
-            _record("hf_attention mxfp8 B1S4096", first_step._hf_step(first_step.CASES["hf"], smoke=False), workloads)
+            attempt("hf_attention mxfp8 B1S4096", lambda: first_step._hf_step(first_step.CASES["hf"], smoke=False))
     device = torch.cuda.get_device_name()
     os.makedirs(args.out, exist_ok=True)
     if "pretuned" in what:
@@ -95,6 +104,9 @@ def main(argv=None) -> int:
         path = os.path.join(args.out, arch + compile_ahead.SUFFIX)
         compile_ahead.write(path, arch, device, workloads)
         print(f"wrote {path}")
+    if failed:
+        print(f"not recorded (see the tracebacks above): {', '.join(failed)}")
+        return 1
     return 0
 
 
