@@ -792,7 +792,7 @@ def _dequantized_twin(backend: Optional[str], *operands) -> Optional[Tuple[List[
     mx = [_operand(None, codes, scales, fmt) for codes, scales, fmt in operands]
     try:
         dequantize = [_resolution.resolve("mxfp8_dequantize", t, out_dtype="bfloat16") for t in mx]
-    except Exception:  # noqa: BLE001 -- no backend dequantizes these here: keep the one op
+    except _dispatch.BackendUnavailable:  # no backend dequantizes these here: keep the one op
         return None
     return ([_dequantize_op(None, codes, scales, fmt, "bfloat16", how)
              for (codes, scales, fmt), how in zip(operands, dequantize)], choice)

@@ -82,8 +82,8 @@ def _backward(dq, x, gamma, rstd, y_col: MXTensor, w_col: MXTensor, cos, sin, ba
                   backend=backend)
     dx = dgamma = None
     if needs[0] or needs[1]:
-        dx, dgamma = _run("rmsnorm_backward", dy.float().contiguous(), x.contiguous(), gamma.contiguous(), rstd.contiguous(),
-                          zero_centered_gamma=False, backend=norm_backend)
+        dx, dgamma = _run("rmsnorm_backward", dy.float().contiguous(), x.contiguous(), gamma.contiguous(),
+                          rstd.contiguous(), zero_centered_gamma=False, backend=norm_backend)
     return dx, dgamma, dw.contiguous().to(torch.bfloat16)
 
 

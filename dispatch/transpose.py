@@ -75,7 +75,8 @@ def transpose_bytes_into(src: Tensor, out: Tensor, *, backend: Optional[str] = N
     """Write src.t() into out: src [R, C] and out [C, R], 1-byte elements (uint8 / int8 / float8,
     bytes copied as they are, whatever the two dtypes), one device, any strides; out must not overlap
     src. Returns out. `backend`: a backend request as mxmla's ops take (None: MXMLA_BACKEND's entry for
-    mxfp8_quantize, else automatic); the Triton kernel serves only where it allows triton. No autograd (the bytes are copied, not differentiated)."""
+    mxfp8_quantize, else automatic); the Triton kernel serves only where it allows triton. No autograd
+    (the bytes are copied, not differentiated)."""
     _check(src, out)
     kernel = _triton_kernel(src, out, backend)
     with torch.no_grad():

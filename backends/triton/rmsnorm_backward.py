@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..registry import register, register_variant
+from ..torch.rmsnorm import rmsnorm_backward as _composed
 from ._common import cdiv, fast_launch, sm_count, triton_reasons
 from ._fpbits import round_f32, widen_f32
 
@@ -109,9 +110,7 @@ def rmsnorm_backward(dy, x, gamma, rstd, zero_centered_gamma=False, variant=None
     backend's ops. Returns (dx in x's dtype, dgamma in gamma's dtype). variant: the dispatcher's choice
     (None: the kernel)."""
     if variant == "composed":
-        from backends.torch.rmsnorm import rmsnorm_backward as composed
-
-        return composed(dy, x, gamma, rstd, zero_centered_gamma)
+        return _composed(dy, x, gamma, rstd, zero_centered_gamma)
     n_rows, d = x.shape
     gamma, rstd = gamma.contiguous(), rstd.contiguous()
     dx = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
