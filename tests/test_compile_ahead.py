@@ -235,6 +235,24 @@ def test_a_call_of_one_path_opens_that_paths_whole_family(gpu_lists, monkeypatch
     assert sorted(a[1] for a, _ in log) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_compiled_path_is_in_its_eager_paths_family(gpu_lists, monkeypatch):
+    """The weight copies' quantization, which a model's construction launches, is made by the eager and
+    the compiled mxfp8 workloads alike: it opens their one family (the compiled path's extra kernels
+    included), so the step's kernels compile while the model is still being built."""
+    write, log, jits = gpu_lists
+    jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)
+    assert compile_ahead.family("mla_block mxfp8-compile B1S4096") == compile_ahead.family("mla_block mxfp8 B1S4096")
+    assert compile_ahead.family("mla_block bf16 B1S4096") != compile_ahead.family("mla_block mxfp8-compile B1S4096")
+    write({"mla_block mxfp8 B1S4096": [_entry("norm", args=_n(1)), _entry("wq", args=_n(2))],
+           "mla_block mxfp8-compile B1S4096": [_entry("norm", args=_n(1)), _entry("deq", args=_n(3)),
+                                               _entry("wq", args=_n(2))],
+           "mla_block bf16 B1S4096": [_entry("r", args=_n(4))]})
+    monkeypatch.setattr(compile_ahead, "call_signature", lambda kernel, args, kwargs: args[0])
+    compile_ahead.before_compile(None, ("wq",), {})  # the weight copies' quantization, at construction
+    compile_ahead.wait()
+    assert sorted(a[1] for a, _ in log) == [1, 2, 3]  # both paths' compilations, once each; not bf16's
+
+
 def test_launch_waits_for_its_pending_compile(gpu_lists, monkeypatch):
     write, log, jits = gpu_lists
     jits["pkg.mod._k"] = _FakeJit(["x", "n", "FLAG"], log)

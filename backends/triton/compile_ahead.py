@@ -392,9 +392,12 @@ def before_compile(kernel, args, kwargs) -> None:
 def family(workload: str) -> str:
     """The family a workload's name puts it in: its path, the second word of tools/record_pretuned.py's
     "<model> <path> <shape>" names ("mla_block mxfp8 B1S4096" and "hf_attention mxfp8 B1S4096" are both
-    "mxfp8"); a name of another form is a family of its own."""
+    "mxfp8"), a compiled path with its eager one ("mxfp8-compile" is "mxfp8": they launch the same
+    kernels, the compiled one a few more, and the weight copies' quantization that a model's construction
+    launches is theirs alike, so it opens the family while the model is still being built); a name of
+    another form is a family of its own."""
     words = workload.split()
-    return words[1] if len(words) == 3 else workload
+    return words[1].removesuffix("-compile") if len(words) == 3 else workload
 
 
 def _start(index: int, lists: dict, names, call: str) -> None:
