@@ -3,7 +3,7 @@
     python3 benchmarks/first_step_profile.py [mxfp8-compile,compile]
 
 Per path (bench_block.py's paths, B1 S4096, DeepSeek-V3 sizes, CUDA), three processes share empty Triton,
-Inductor and mxmla caches: the first fills them; the second prints its forward / backward seconds,
+Inductor and mxmla caches: the first fills them; the second prints its forward / backward / weight-refresh seconds,
 torch.compile's timers (torch._dynamo.utils.compilation_time_metrics) and dynamo's per-function tracing
 table (TORCH_COMPILE_DYNAMO_PROFILER=1); the third runs the step under cProfile and prints its costliest
 functions (cProfile slows it: read its shares, not its seconds).
@@ -43,11 +43,15 @@ def child(path: str, profile: bool) -> None:
     out.backward(bench.dout)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
+    if bench.requantize is not None:  # the weight copies' refresh that ends bench_block's step
+        bench.requantize()
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
     if prof:
         prof.disable()
-    print(f"RESULT {path}: forward {t1 - t0:.3f} s, backward {t2 - t1:.3f} s")
+    print(f"RESULT {path} prof={profile} fwd {t1 - t0:.3f} bwd {t2 - t1:.3f} requant {t3 - t2:.3f} total {t3 - t0:.3f}")
     for key, secs in sorted(compilation_time_metrics.items(), key=lambda kv: -sum(kv[1]))[:22]:
-        print(f"  {sum(secs):7.3f} s {len(secs):3d}x  {key}")
+        print(f"  {sum(secs):7.3f} {len(secs):3d} {key}")
     if prof:
         for order, n in (("cumulative", 70), ("tottime", 25)):
             text = io.StringIO()
@@ -60,12 +64,12 @@ def main(paths) -> None:
         with tempfile.TemporaryDirectory(prefix="mxmla_first_step_profile_") as cache:
             env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
                        TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), MXMLA_CACHE_DIR=os.path.join(cache, "mxmla"))
-            for run, profile, dynamo_table in (("fresh", False, False), ("second", False, True), ("third, cProfile", True, False)):
+            for run, profile, dynamo_table in (("fresh", False, False), ("second", False, True), ("third", True, False)):
                 run_env = dict(env, TORCH_COMPILE_DYNAMO_PROFILER="1") if dynamo_table else env
                 t0 = time.perf_counter()
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", path, str(int(profile))],
                                       env=run_env, capture_output=True, text=True)
-                print(f"== {path}, {run} process: rc {proc.returncode}, {time.perf_counter() - t0:.1f} s")
+                print(f"== {path} {run}: rc {proc.returncode}, {time.perf_counter() - t0:.1f} s process")
                 lines = proc.stdout.splitlines()
                 print("\n".join(l for l in lines if l.startswith("RESULT")) if run == "fresh" else "\n".join(lines))
                 if proc.returncode:
