@@ -60,6 +60,10 @@ def child(path: str, profile: bool) -> None:
 
 
 def main(paths) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("first_step_profile.py times CUDA steps: no CUDA device here")
     for path in paths:
         with tempfile.TemporaryDirectory(prefix="mxmla_first_step_profile_") as cache:
             env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
