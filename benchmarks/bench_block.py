@@ -471,9 +471,7 @@ def first_steps(shape, path, backend, smoke, cprofile: int = 0) -> dict:
     b, s = shape
     out = {}
     with tempfile.TemporaryDirectory(prefix="mxmla_first_step_") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
-                   MXMLA_CACHE_DIR=os.path.join(cache, "mxmla"))
+        env = benchlib.empty_cache_env(cache)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--shapes", f"B{b}S{s}", "--paths", path]
         if smoke:
             cmd.append("--smoke")

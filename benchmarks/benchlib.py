@@ -147,6 +147,13 @@ def first_call_s(fn) -> float:
     return time.perf_counter() - start
 
 
+def empty_cache_env(folder: str) -> dict:
+    """os.environ with Triton's, Inductor's and mxmla's caches in `folder` (new and empty for a first
+    step's fresh process; the same folder again, then filled, for its second)."""
+    return dict(os.environ, TRITON_CACHE_DIR=os.path.join(folder, "triton"),
+                TORCHINDUCTOR_CACHE_DIR=os.path.join(folder, "inductor"), MXMLA_CACHE_DIR=os.path.join(folder, "mxmla"))
+
+
 def wait_background_compiles() -> None:
     from dispatch.warmup import wait_background_compiles as wait
 

@@ -49,6 +49,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402
 
 # kind "block": bench_block.Bench on `path` (one of bench_block.PATHS); kind "hf": the patched layer
 CASES = {
@@ -93,7 +95,6 @@ def _sync():
 def _block_step(case, smoke: bool):
     """The step function of bench_block.py's Bench on the case's path, batch, sequence and heads (smoke:
     bench_block's small config at 64 tokens, mxmla's torch backend)."""
-    sys.path.insert(0, HERE)
     import bench_block as bb
 
     if smoke:
@@ -110,7 +111,6 @@ def _hf_step(case, smoke: bool):
     import torch
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
 
-    sys.path.insert(0, HERE)
     import hf_layer
 
     from dispatch.integrations.transformers import patch_state
@@ -167,7 +167,6 @@ def child(name: str, breakdown: bool, smoke: bool = False) -> None:
     t1 = time.perf_counter()
     costs = None
     if breakdown:
-        sys.path.insert(0, HERE)
         from bench_block import FirstCallCosts
 
         costs = FirstCallCosts()
@@ -192,8 +191,7 @@ def run_case(name: str, breakdown: bool, deadline: float | None = None, smoke: b
     shortens each child's limit to what is left of the run's budget."""
     out = {"case": name, "label": CASES[name]["label"], "compiled": CASES[name]["compiled"]}
     with tempfile.TemporaryDirectory(prefix="mxmla_first_step_") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), MXMLA_CACHE_DIR=os.path.join(cache, "mxmla"))
+        env = benchlib.empty_cache_env(cache)
         for which in ("fresh", "second"):
             limit = CHILD_TIMEOUT_S if deadline is None else min(CHILD_TIMEOUT_S, deadline - time.perf_counter())
             if limit < MIN_CHILD_S:

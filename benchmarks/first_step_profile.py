@@ -17,10 +17,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import benchlib  # noqa: E402
 
 
 def child(path: str, profile: bool) -> None:
-    sys.path.insert(0, HERE)
     sys.path.insert(0, ROOT)
     import cProfile
     import pstats
@@ -66,8 +67,7 @@ def main(paths) -> None:
         raise SystemExit("first_step_profile.py times CUDA steps: no CUDA device here")
     for path in paths:
         with tempfile.TemporaryDirectory(prefix="mxmla_first_step_profile_") as cache:
-            env = dict(os.environ, TRITON_CACHE_DIR=os.path.join(cache, "triton"),
-                       TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), MXMLA_CACHE_DIR=os.path.join(cache, "mxmla"))
+            env = benchlib.empty_cache_env(cache)
             for run, profile, dynamo_table in (("fresh", False, False), ("second", False, True), ("third", True, False)):
                 run_env = dict(env, TORCH_COMPILE_DYNAMO_PROFILER="1") if dynamo_table else env
                 t0 = time.perf_counter()
