@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
-#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block record first hf titan
+#   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block host record first profile hf titan
 #                                   (default: info test sanitize bench)
 #   `test` (the whole pytest, up to TEST_CAP = 530 s) fills one 600 s device command by itself.
 #   block / first / hf / titan: the README's and BENCHMARKS' block, first-step, HF-layer and TorchTitan
@@ -93,6 +93,11 @@ for phase in $PHASES; do
     grep -A12 "^shape " "$OUT/block_$COMMIT.txt"
     summary+=("bench_block ($shapes): rc=$rc in $((SECONDS-start)) s; $OUT/block_$COMMIT.txt")
     ;;
+  host)
+    # the compiled block's host side at B1 S4096: where one forward's issue time goes, by function
+    script_phase host_profile "${HOST_CAP:-170}" "$OUT/host_profile_$COMMIT.txt" 4 \
+      benchmarks/bench_block.py --quick --paths mxfp8-compile,compile --host-profile
+    ;;
   record)
     # the sm90 compile-ahead list recorded afresh (tools/record_pretuned.py: the block's eager and compiled
     # mxfp8 paths and bf16, the patched HF layer) into the working tree, which the later phases then use;
@@ -109,6 +114,12 @@ for phase in $PHASES; do
     rc=$?
     grep -v "^  \[" "$OUT/first_step_$COMMIT.txt" | tail -9
     summary+=("first_step: rc=$rc in $((SECONDS-start)) s; $OUT/first_step_$COMMIT.txt")
+    ;;
+  profile)
+    # the compiled paths' first steps in a fresh, a second and a profiled third process (torch.compile's
+    # own timings and cProfile; benchmarks/first_step_profile.py)
+    script_phase first_step_profile "${PROFILE_CAP:-150}" "$OUT/first_step_profile_$COMMIT.txt" 4 \
+      benchmarks/first_step_profile.py mxfp8-compile,compile
     ;;
   hf)
     script_phase hf_layer "${HF_CAP:-200}" "$OUT/hf_layer_$COMMIT.log" 9 \
