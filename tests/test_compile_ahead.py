@@ -66,7 +66,15 @@ def test_encoding_round_trip_and_refusals():
         assert type(compile_ahead._decode(compile_ahead._encode(v))) is type(v)
     assert compile_ahead._decode(["tensor", "float8_e4m3fn", True]) is torch.float8_e4m3fn
     assert compile_ahead._decode(["float", 2]) == 2.0 and type(compile_ahead._decode(["float", 2])) is float
-    for bad in (["int", True], ["int", "3"], ["bool", 1], ["tensor", "bfloat16", False], ["list", []]):
+    import triton.language as tl
+
+    for dtype in (tl.bfloat16, tl.float16, tl.float32):  # constexpr element types (rmsnorm backward's DX_DTYPE)
+        assert compile_ahead._encode(dtype) == ["tl_dtype", dtype.name]
+        assert compile_ahead._decode(compile_ahead._encode(dtype)) == dtype
+    assert compile_ahead.call_signature(object(), (), {"D": tl.bfloat16}) != \
+        compile_ahead.call_signature(object(), (), {"D": tl.float32})
+    for bad in (["int", True], ["int", "3"], ["bool", 1], ["tensor", "bfloat16", False], ["list", []],
+                ["tl_dtype", "arange"], ["tl_dtype", 3]):
         with pytest.raises(compile_ahead._Unencodable):
             compile_ahead._decode(bad)
     with pytest.raises(compile_ahead._Unencodable):

@@ -91,11 +91,14 @@ def _layout(layout):
 
 def _encode(v):
     """A launch value as JSON: a tensor by dtype and 16-byte alignment, a TMA descriptor by its type,
-    base dtype and alignment, shape, strides, block shape and layout, a plain value with its type."""
+    base dtype and alignment, shape, strides, block shape and layout, a Triton element type by its name,
+    a plain value with its type."""
     if isinstance(v, torch.Tensor):
         return ["tensor", str(v.dtype).replace("torch.", ""), v.data_ptr() % 16 == 0]
     if v is None or type(v) in (bool, int, float, str):
         return [type(v).__name__, v]
+    if _is_tl_dtype(v):  # a constexpr element type (rmsnorm backward's DX_DTYPE, the GEMM's OUT_DTYPE)
+        return ["tl_dtype", v.name]
     if type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), torch.Tensor):
         extra = {k: getattr(v, k) for k in ("padding", "round_f32_to_tf32") if hasattr(v, k)}
         if any(x is not None and type(x) not in (bool, int, float, str) for x in extra.values()):
@@ -104,6 +107,13 @@ def _encode(v):
                 v.base.data_ptr() % 16 == 0, list(v.shape), list(v.strides), list(v.block_shape),
                 _layout(getattr(v, "layout", None)), extra]
     raise _Unencodable(type(v).__name__)
+
+
+def _is_tl_dtype(v) -> bool:
+    """A scalar Triton element type (tl.bfloat16 ...; not a pointer or block type, its subclasses)."""
+    import triton.language as tl
+
+    return type(v) is tl.dtype
 
 
 def _class(qualified: str):
@@ -139,6 +149,13 @@ def _decode(item, device="cuda"):
         return getattr(torch, value)
     if kind == "NoneType":
         return None
+    if kind == "tl_dtype" and isinstance(value, str):
+        import triton.language as tl
+
+        try:
+            return tl.dtype(value)  # by its name ("bf16"), as Triton names its element types
+        except (AssertionError, ValueError, TypeError):
+            raise _Unencodable(f"value {item!r}") from None
     if kind == "float" and type(value) in (int, float):
         return float(value)
     if kind in ("bool", "int", "str") and type(value).__name__ == kind:
