@@ -29,6 +29,8 @@ def child(path: str, profile: bool) -> None:
     import torch
     from torch._dynamo.utils import compilation_time_metrics
 
+    import torch._inductor.compile_fx  # noqa: F401 (as first_step.py's build: no step pays Inductor's import)
+
     import bench_block as bb
 
     cfg = bb.mb.replace(bb.mb.CONFIGS["deepseek"], batch=1, seq=4096, heads=128)
