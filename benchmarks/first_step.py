@@ -20,9 +20,9 @@ TORCHINDUCTOR_CACHE_DIR and MXMLA_CACHE_DIR pointed at new empty folders ("fresh
 with the folders the first one filled ("second"). A child builds its module and inputs, synchronizes,
 and times one step: what a training run waits for before its first step is done (its imports and
 model construction are reported apart, as build s; a compiled case's build imports Inductor, as
-torch.compile does at construction without fullgraph, so no compiled step pays that import). compile s: of that step, the seconds
-torch.compile spent (dynamo, AOTAutograd and Inductor for the forward, and the backward graph's
-compilation at the first backward), from torch._dynamo.utils.compilation_time_metrics: the frame
+torch.compile does at construction without fullgraph, so no compiled step pays that import). compile s:
+of that step, the seconds torch.compile spent (dynamo, AOTAutograd and Inductor for the forward, and
+the backward graph's compilation at the first backward), from torch._dynamo.utils.compilation_time_metrics: the frame
 compilations ("_compile.compile_inner") plus the lazy backward compilations
 ("backward._backward_impl"), the two outermost timers (torch's own total_wall_time adds the same
 two phases); "-" for the eager cases. The rest of a compiled step is what the eager step pays too

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one GPU script: tests and times on the lent H200 in one call, printing a short table last.
+# The one GPU script: tests and times on the lent GPU (an H100 or an H200) in one call, printing a short table last.
 #   tools/gpu_run.sh [phases...]    phases: info test sanitize bench block host record first profile hf titan
 #                                   (default: info test sanitize bench)
 #   `test` (the whole pytest, up to TEST_CAP = 530 s) fills one 600 s device command by itself.

@@ -52,6 +52,7 @@ import threading
 from typing import Dict, List, Optional
 
 import torch
+import triton.language as tl
 
 from .. import settings
 from . import pretuned
@@ -97,7 +98,7 @@ def _encode(v):
         return ["tensor", str(v.dtype).replace("torch.", ""), v.data_ptr() % 16 == 0]
     if v is None or type(v) in (bool, int, float, str):
         return [type(v).__name__, v]
-    if _is_tl_dtype(v):  # a constexpr element type (rmsnorm backward's DX_DTYPE, the GEMM's OUT_DTYPE)
+    if type(v) is tl.dtype:  # a scalar element type (not a pointer or block type): rmsnorm backward's DX_DTYPE
         return ["tl_dtype", v.name]
     if type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), torch.Tensor):
         extra = {k: getattr(v, k) for k in ("padding", "round_f32_to_tf32") if hasattr(v, k)}
@@ -107,13 +108,6 @@ def _encode(v):
                 v.base.data_ptr() % 16 == 0, list(v.shape), list(v.strides), list(v.block_shape),
                 _layout(getattr(v, "layout", None)), extra]
     raise _Unencodable(type(v).__name__)
-
-
-def _is_tl_dtype(v) -> bool:
-    """A scalar Triton element type (tl.bfloat16 ...; not a pointer or block type, its subclasses)."""
-    import triton.language as tl
-
-    return type(v) is tl.dtype
 
 
 def _class(qualified: str):
@@ -150,8 +144,6 @@ def _decode(item, device="cuda"):
     if kind == "NoneType":
         return None
     if kind == "tl_dtype" and isinstance(value, str):
-        import triton.language as tl
-
         try:
             return tl.dtype(value)  # by its name ("bf16"), as Triton names its element types
         except (AssertionError, ValueError, TypeError):
