@@ -113,13 +113,15 @@ def test_descriptor_encoding_and_stand_in():
 def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
     kernel, log = toy
     x, y = torch.zeros(64), torch.zeros(64)
-    with compile_ahead.recording() as launches:
+    with compile_ahead.recording() as rec:
         _launch(kernel, x, y, 1000)
         _launch(kernel, x, y, 1000)  # a kept launch: not seen again
         with pytest.raises(RuntimeError, match="already active"):
             with compile_ahead.recording():
                 pass
     assert not compile_ahead.is_recording()
+    launches = rec.launches
+    assert rec.skipped == {}
     assert len(launches) == 1
     (entry,) = launches.values()
     assert entry["call"] == compile_ahead.call_signature(kernel, (x, y, 1000), {"scale": 0.5, "enable_fp_fusion": False})
@@ -132,6 +134,29 @@ def test_recording_notes_what_the_launch_resolved(toy):  # noqa: F811
     assert spec["options"]["num_warps"] == 4 and spec["options"]["enable_fp_fusion"] is False
     _launch(kernel, x, y, 1024)  # outside recording(): nothing noted
     assert len(launches) == 1
+
+
+def test_recording_names_the_launches_it_cannot_note(toy, monkeypatch):  # noqa: F811
+    """A launch the list cannot hold is a named gap, never a silent one: the recorder keeps the
+    kernel and why (its first launch will compile in every process)."""
+    kernel, _ = toy
+    x, y = torch.zeros(64), torch.zeros(64)
+    with compile_ahead.recording() as rec:
+        _launch(kernel, x, y, 1000, scale=[0.5])  # a value no list encodes
+    assert rec.launches == {}
+    assert list(rec.skipped) == ["tests.test_fast_launch._toy"]
+    assert "unhashable" in rec.skipped["tests.test_fast_launch._toy"]
+    with compile_ahead.recording() as rec:
+        _launch(kernel, x, y, 1000, scale=1j)  # hashable, but no list holds a complex
+    assert rec.launches == {}
+    assert "scale" in rec.skipped["tests.test_fast_launch._toy"]
+
+    _common.clear_fast_launches()
+    monkeypatch.setattr(_common, "_resolve_launch", lambda *a: None)
+    with compile_ahead.recording() as rec:
+        _launch(kernel, x, y, 1000)
+    assert rec.launches == {}
+    assert "could not be reproduced" in rec.skipped["tests.test_fast_launch._toy"]
 
 
 def test_calls_match_by_specialization_not_shape(toy):  # noqa: F811
@@ -315,3 +340,67 @@ def test_fast_launch_consults_it_before_compiling(toy, monkeypatch):  # noqa: F8
     _launch(kernel, x, y, 1000)  # kept: compiled already, not asked again
     _launch(kernel, x, y, 2000)
     assert seen == [1000, 2000]
+
+
+def test_every_launch_of_the_mxfp8_block_is_recordable(monkeypatch):
+    """Each Triton launch of the mxfp8 block's forward and backward (the kernels the interpreter runs
+    on the CPU) has a call string and parameter values a compile list can hold. A launch passing a value
+    no list encodes (as RMSNorm backward's element-type argument once did) would compile at its first
+    launch in every process; on a GPU the recorder names such gaps (Recording.skipped), and this finds
+    them without one. The Gluon kernels' TMA descriptors are covered by the encoding tests above."""
+    import importlib
+    import inspect
+    import pkgutil
+    import sys
+
+    import backends.triton as triton_backend
+    from pathlib import Path
+
+    if not _common.interpret_mode():
+        pytest.skip("the CPU's view of the launches (the GPU's recorder reports its own gaps)")
+    launches = []
+
+    def spy(kernel, grid, *args, **kwargs):
+        launches.append((kernel, args, kwargs))
+        real(kernel, grid, *args, **kwargs)
+
+    real = _common.fast_launch
+    for info in pkgutil.iter_modules(triton_backend.__path__):
+        module = importlib.import_module(f"{triton_backend.__name__}.{info.name}")
+        if getattr(module, "fast_launch", None) is real:
+            monkeypatch.setattr(module, "fast_launch", spy)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.modules.pop("mla_block", None)
+    import mla_block as mb
+
+    cfg = mb.replace(mb.CONFIGS["small"], batch=1, seq=64)
+    block = mb.MLABlock(cfg, "mxfp8", quantize_grad=True, backend="triton").reset_parameters(0)
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(cfg.tokens, cfg.hidden, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    cos, sin = mb.rope_tables(cfg, torch.device("cpu"))
+    block(h, cos, sin).backward(torch.randn(cfg.tokens, cfg.hidden, generator=gen).to(torch.bfloat16))
+
+    kernels, gaps = set(), {}
+    for kernel, args, kwargs in launches:
+        name = compile_ahead.kernel_name(kernel)
+        kernels.add(name.rpartition(".")[2])
+        layers, base = [], kernel
+        while type(base).__name__ in ("Autotuner", "Heuristics"):  # down to the (interpreted) JIT function
+            layers.append(base)
+            base = base.fn
+        merged = dict(zip(base.arg_names, args))
+        merged.update(kwargs)
+        for layer in layers:  # a heuristics layer's values, as the launch resolves them
+            merged.update({k: rule(merged) for k, rule in getattr(layer, "values", {}).items()})
+        for p_name, param in inspect.signature(base.fn).parameters.items():
+            if p_name not in merged and param.default is not inspect.Parameter.empty:
+                merged[p_name] = param.default
+        try:
+            if compile_ahead.call_signature(kernel, args, kwargs) is None:
+                raise compile_ahead._Unencodable(compile_ahead._unencodable_argument(args, kwargs))
+            compile_ahead.encode_launch(list(base.arg_names), merged)
+        except compile_ahead._Unencodable as e:
+            gaps.setdefault(name, str(e))
+    assert gaps == {}
+    # the forward's and the backward's kernels both ran, RMSNorm's backward among them
+    assert {"_rmsnorm_mxfp8_kernel", "_mla_kv_kernel", "_rope_kernel", "_rmsnorm_backward_kernel"} <= kernels, kernels

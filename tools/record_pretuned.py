@@ -10,7 +10,9 @@ Runs forward + backward of examples/mla_block.py's block on the mxfp8, bf16 and 
 (the compiled graph launches kernels the eager path does not: the attention backward's dequantizations) at each shape,
 and of transformers' DeepseekV3Attention patched to mxfp8 (where transformers is installed), each under
 compile_ahead.recording() as its own workload ("<model> <path> <shape>": compile_ahead opens the
-workloads of one path together, by that name's second word, a compiled path with its eager one), then writes the workloads' launches. The lists match
+workloads of one path together, by that name's second word, a compiled path with its eager one), then writes the workloads' launches,
+and the kernels a workload launched that the recording could not note (printed as NOT recorded, kept
+under the list's "not_recorded": they compile at their first launch in every process). The lists match
 launches by what Triton specializes on, not by shape, so a few shapes cover every token and head
 count; they are recorded at two token counts because the heuristic tiles of some kernels change with
 the token count (rmsnorm's programs per band). A table of tile choices (--what pretuned) needs the
@@ -34,17 +36,21 @@ from backends import settings  # noqa: E402
 from backends.triton import _common, compile_ahead, pretuned  # noqa: E402
 
 
-def _record(name: str, step, workloads: dict) -> None:
+def _record(name: str, step, workloads: dict, gaps: dict) -> None:
     _common.clear_fast_launches()  # every launch of this workload resolved (and noted) afresh
-    with compile_ahead.recording() as launches:
+    with compile_ahead.recording() as rec:
         for _ in range(2):
             step()
         _common.wait_background_compiles()  # a gated fallback's ready launch is noted too
         step()
     torch.cuda.synchronize()
-    workloads[name] = list(launches.values())
+    workloads[name] = list(rec.launches.values())
+    if rec.skipped:
+        gaps[name] = dict(rec.skipped)
     torch.cuda.empty_cache()
-    print(f"{name}: done, {len(launches)} launches to compile ahead", flush=True)
+    print(f"{name}: done, {len(rec.launches)} launches to compile ahead", flush=True)
+    for kernel, why in rec.skipped.items():
+        print(f"{name}: NOT recorded, compiles at its first launch: {kernel}: {why}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -66,12 +72,12 @@ def main(argv=None) -> int:
     import bench_block as bb
     import first_step
 
-    workloads, failed = {}, []
+    workloads, gaps, failed = {}, {}, []
 
     def attempt(name, build):
         # one workload's failure is reported and leaves the others' launches to be written
         try:
-            _record(name, build(), workloads)
+            _record(name, build(), workloads, gaps)
         except Exception:  # noqa: BLE001 -- reported below, and the exit status says so
             traceback.print_exc()
             failed.append(name)
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
     if "compile" in what:
         arch = compile_ahead.arch(torch.cuda.current_device())
         path = os.path.join(args.out, arch + compile_ahead.SUFFIX)
-        compile_ahead.write(path, arch, device, workloads)
+        compile_ahead.write(path, arch, device, workloads, gaps)
         print(f"wrote {path}")
     if failed:
         print(f"not recorded (see the tracebacks above): {', '.join(failed)}")

@@ -248,6 +248,7 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
                tuple([v if type(v) in _PLAIN else _arg_key(v) for v in values]))
         entry = _FAST_LAUNCHES.get(key)
     except TypeError:  # an unhashable argument: no key
+        compile_ahead.skip(kernel, "an unhashable argument (no launch key)")
         kernel[grid](*args, **kwargs)
         return
     if entry is _NOT_KEPT:
@@ -265,8 +266,12 @@ def fast_launch(kernel, grid, *args, **kwargs) -> None:
         # a launch that cannot be reproduced is remembered too: its next calls skip the resolution
         resolved = _resolve_launch(kernel, grid, compiled, args, kwargs)
         _FAST_LAUNCHES[key] = _NOT_KEPT if resolved is None else resolved
-        if resolved is not None and compile_ahead.is_recording():
-            compile_ahead.note(kernel, args, kwargs, *_resolved_values(kernel, args, kwargs))
+        if compile_ahead.is_recording():
+            if resolved is None:
+                compile_ahead.skip(kernel, "its launch could not be reproduced (an autotuner config with a pre-hook, "
+                                           "a wrapper other than Autotuner / Heuristics, or constants that differ)")
+            else:
+                compile_ahead.note(kernel, args, kwargs, *_resolved_values(kernel, args, kwargs))
 
 
 def clear_fast_launches() -> None:

@@ -37,9 +37,11 @@ block-shaped tensor: a kernel specializes on its type, dtype, block shape and la
 extent. MXMLA_TRITON_COMPILE_AHEAD=0 turns it off.
 
 File format: {"arch", "device", "triton", "torch", "workloads": {name: [{"call": ..., "compile": ...},
-...]}} with "call" the launch's match string (see `call_signature`; older lists' exact values are
-read in shape-free form), "device" the GPU it was recorded on, and "compile" {"fn": module.name of the
-JIT function, "args": its parameters' encoded values in order, "options": compile options}.
+...]}, "not_recorded": {name: {kernel: why}}} with "call" the launch's match string (see
+`call_signature`; older lists' exact values are read in shape-free form), "device" the GPU it was
+recorded on, "compile" {"fn": module.name of the JIT function, "args": its parameters' encoded values
+in order, "options": compile options}, and "not_recorded" the kernels a workload launched that the
+recording could not note (they compile at their first launch; older lists lack the key).
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from . import pretuned
 SUFFIX = ".compile.json"
 
 _lock = threading.Lock()
-_recording: Optional[Dict[str, dict]] = None  # call -> entry, while recording() is entered
+_recording = None  # the Recording that recording() fills while entered
 _lists: Dict[str, Optional[dict]] = {}         # arch -> _arch_lists' dict (None: no list)
 _pending: Dict[tuple, list] = {}               # (device index, call) -> Futures of its class's compilations
 _started: set = set()                          # (device index, workload) handed to the threads
@@ -252,16 +254,25 @@ def enabled() -> bool:
 # --------------------------------------------------------------------------------------------------
 # recording
 # --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Recording:
+    """What `recording()` collected. launches: call string -> entry, in launch order. skipped: kernel
+    name -> why one of its launches could not be noted (it compiles at its first launch in every
+    process, so a list with gaps says where they are instead of losing them silently)."""
+    launches: Dict[str, dict] = dataclasses.field(default_factory=dict)
+    skipped: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 @contextlib.contextmanager
 def recording():
-    """Collect the launches fast_launch resolves while entered: yields the dict it fills (call string
-    -> entry), in launch order. Launches resolved before (kept by fast_launch) are not seen again:
-    record in a fresh process, or after `_common.clear_fast_launches()`."""
+    """Collect the launches fast_launch resolves while entered: yields the `Recording` it fills.
+    Launches resolved before (kept by fast_launch) are not seen again: record in a fresh process, or
+    after `_common.clear_fast_launches()`."""
     global _recording
     with _lock:
         if _recording is not None:
             raise RuntimeError("compile_ahead.recording() is already active")
-        _recording = {}
+        _recording = Recording()
         out = _recording
     try:
         yield out
@@ -274,6 +285,45 @@ def is_recording() -> bool:
     return _recording is not None
 
 
+def kernel_name(kernel) -> str:
+    """The launched object's JIT function as module.name (through Autotuner / Heuristics layers)."""
+    return _layers(kernel)[-1]
+
+
+def skip(kernel, why: str) -> None:
+    """fast_launch's hook for a launch it could not reproduce while recording: noted as a gap."""
+    rec = _recording
+    if rec is not None:
+        rec.skipped.setdefault(kernel_name(kernel), why)
+
+
+def encode_launch(names: List[str], merged: dict):
+    """(encoded parameter values in `names` order, compile options) of a resolved launch; raises
+    _Unencodable naming what a list cannot hold."""
+    missing = [n for n in names if n not in merged]
+    if missing:
+        raise _Unencodable(f"no value for parameter {missing[0]}")
+    values = []
+    for n in names:
+        try:
+            values.append(_encode(merged[n]))
+        except _Unencodable as e:
+            raise _Unencodable(f"parameter {n}: {e}") from None
+    options = {k: v for k, v in merged.items() if k not in names and k in _OPTIONS
+               and (v is None or type(v) in (bool, int, float, str))}
+    return values, options
+
+
+def _unencodable_argument(args, kwargs) -> str:
+    """Which launch argument call_signature could not encode, and why."""
+    for where, v in [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"keyword {k}", a) for k, a in kwargs.items())]:
+        try:
+            _encode(v)
+        except _Unencodable as e:
+            return f"{where}: {e}"
+    return "argument"
+
+
 def note(kernel, args, kwargs, fn, merged) -> None:
     """fast_launch's hook after a launch it could reproduce: fn the JIT function, merged every
     parameter's value and the options as the launch resolved them."""
@@ -281,17 +331,18 @@ def note(kernel, args, kwargs, fn, merged) -> None:
     if rec is None:
         return
     call = call_signature(kernel, args, kwargs)
-    if call is None or call in rec:
+    if call is None:
+        rec.skipped.setdefault(kernel_name(kernel), f"unencodable {_unencodable_argument(args, kwargs)}")
         return
-    names = list(fn.arg_names)
+    if call in rec.launches:
+        return
     try:
-        values = [_encode(merged[n]) for n in names]
-        options = {k: v for k, v in merged.items() if k not in names and k in _OPTIONS
-                   and (v is None or type(v) in (bool, int, float, str))}
-    except (_Unencodable, KeyError):
+        values, options = encode_launch(list(fn.arg_names), merged)
+    except _Unencodable as e:
+        rec.skipped.setdefault(kernel_name(kernel), f"unencodable {e}")
         return
-    rec[call] = {"call": call, "compile": {"fn": f"{fn.__module__}.{fn.__name__}", "args": values,
-                                           "options": options}}
+    rec.launches[call] = {"call": call, "compile": {"fn": f"{fn.__module__}.{fn.__name__}", "args": values,
+                                                    "options": options}}
 
 
 # the launch keywords that are compile options, not kernel parameters (what Config.all_kwargs and a
@@ -301,12 +352,15 @@ _OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
                       "reg_inc_consumer"))
 
 
-def write(path: str, arch_name: str, device: str, workloads: Dict[str, List[dict]]) -> None:
+def write(path: str, arch_name: str, device: str, workloads: Dict[str, List[dict]],
+          not_recorded: Optional[Dict[str, Dict[str, str]]] = None) -> None:
+    """The list file; not_recorded (workload -> kernel -> why, `Recording.skipped`) documents the
+    kernels that compile at their first launch anyway."""
     import triton
 
     with open(path, "w") as f:
         json.dump({"arch": arch_name, "device": device, "triton": triton.__version__, "torch": torch.__version__,
-                   "workloads": workloads}, f, indent=1, sort_keys=True)
+                   "workloads": workloads, "not_recorded": not_recorded or {}}, f, indent=1, sort_keys=True)
 
 
 # --------------------------------------------------------------------------------------------------
