@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from spec.lazy_ml_dtypes import ml_dtypes
 from spec.mxtensor import MXTensor
 
 try:
@@ -13,12 +13,13 @@ try:
 except ImportError:  # the spec backend still serves NumPy callers
     torch = None
 
+# torch dtype -> (torch dtype of the same width, ml_dtypes name) for the types NumPy lacks
 _TORCH_TO_NUMPY_BITS = {}
 if torch is not None:
     _TORCH_TO_NUMPY_BITS = {
-        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
-        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
-        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+        torch.bfloat16: (torch.int16, "bfloat16"),
+        torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
+        torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
     }
 _NUMPY_TO_TORCH = {
     "bfloat16": ("int16", "bfloat16"),
@@ -41,8 +42,8 @@ def to_numpy(x: Any) -> Any:
         return x
     t = x.detach().cpu().contiguous()
     if t.dtype in _TORCH_TO_NUMPY_BITS:
-        bits, np_dtype = _TORCH_TO_NUMPY_BITS[t.dtype]
-        return t.view(bits).numpy().view(np_dtype)
+        bits, np_name = _TORCH_TO_NUMPY_BITS[t.dtype]
+        return t.view(bits).numpy().view(getattr(ml_dtypes, np_name))
     return t.numpy()
 
 

@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
 
+from .lazy_ml_dtypes import ml_dtypes
 from .checks import dtype_name, require_bool, require_choice, require_dtype, require_real, value_checks_enabled
 from .constants import (
     ELEM_FORMATS,

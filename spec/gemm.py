@@ -47,9 +47,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from .lazy_ml_dtypes import ml_dtypes
 from . import checks
 from .constants import E8M0_BIAS, E8M0_NAN, ELEM_FORMATS, OUT_DTYPES
 from .mxtensor import MXTensor

@@ -46,9 +46,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from .lazy_ml_dtypes import ml_dtypes
 from . import checks
 from .constants import BLOCK_SIZE, MLA_QK_HEAD_DIM, MLA_ROPE_DIM
 from .gemm import MX_SIG_BITS, dequantize_f64, exact_matmul_rounded, mxfp8_gemm, require_mxtensor_operand

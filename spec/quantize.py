@@ -24,11 +24,12 @@ Choices SEMANTICS.md leaves open (tested in tests/test_quantize.py):
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Tuple, Union
 
-import ml_dtypes
 import numpy as np
 
+from .lazy_ml_dtypes import ml_dtypes
 from . import checks
 from .constants import (
     BLOCK_SIZE,
@@ -63,13 +64,21 @@ _F32_ABS_MASK = 0x7FFFFFFF
 _F32_NAN_BITS = 0x7FC00000
 _HALF_SUBNORMAL_MANT = 0x400000  # mantissa of 2^-127 = 0.5 * 2^-126, fp32's largest E8M0-0 value
 
-_NUMPY_ELEM_DTYPES = {name: getattr(ml_dtypes, fmt.numpy_dtype_name) for name, fmt in ELEM_FORMATS.items()}
-# byte of +max: 0x7E (e4m3), 0x7B (e5m2); codes of larger magnitude are NaN (or e5m2's Inf)
-_MAX_FINITE_CODE = {
-    name: int(np.array(fmt.max, np.float32).astype(_NUMPY_ELEM_DTYPES[name]).view(np.uint8))
-    for name, fmt in ELEM_FORMATS.items()
-}
-_OUT_NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def _numpy_elem_dtype(elem: str):
+    """ml_dtypes' type of an element format's codes (ml_dtypes loads at the first reference call)."""
+    return getattr(ml_dtypes, ELEM_FORMATS[elem].numpy_dtype_name)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_finite_code(elem: str) -> int:
+    """Byte of +max: 0x7E (e4m3), 0x7B (e5m2); codes of larger magnitude are NaN (or e5m2's Inf)."""
+    return int(np.array(ELEM_FORMATS[elem].max, np.float32).astype(_numpy_elem_dtype(elem)).view(np.uint8))
+
+
+def _out_numpy_dtype(name: str) -> np.dtype:
+    return np.dtype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[name])
 
 AxisArg = Union[int, Tuple[int, ...]]
 
@@ -190,7 +199,7 @@ def encode(y_f32: Any, elem: str = "e4m3") -> np.ndarray:
     lim = np.float32(fmt.max)
     clipped = np.clip(y, -lim, lim)  # NaN passes through clip unchanged
     with np.errstate(invalid="ignore"):  # NaN -> fp8 is fixed up below
-        codes = clipped.astype(_NUMPY_ELEM_DTYPES[elem]).view(np.uint8)
+        codes = clipped.astype(_numpy_elem_dtype(elem)).view(np.uint8)
     nan = np.isnan(y)
     if nan.any():
         codes = np.where(nan, np.uint8(NAN_CODE), codes)
@@ -244,15 +253,15 @@ def _quantize_axis(x32: np.ndarray, axis: int, fmt: ElemFormat, scale_mode: str,
     if scale_mode != "rceil" or inf_blocks.any():
         np.clip(y, np.float32(-fmt.max), np.float32(fmt.max), out=y)
     with np.errstate(invalid="ignore"):  # NaN -> fp8: fixed below
-        codes = y.astype(_NUMPY_ELEM_DTYPES[fmt.name]).view(np.uint8)
+        codes = y.astype(_numpy_elem_dtype(fmt.name)).view(np.uint8)
     if any_nonfinite:
         # after the clip, a code whose magnitude exceeds the largest finite code's is ml_dtypes' NaN
-        codes = np.where((codes & 0x7F) > _MAX_FINITE_CODE[fmt.name], np.uint8(NAN_CODE), codes)
+        codes = np.where((codes & 0x7F) > _max_finite_code(fmt.name), np.uint8(NAN_CODE), codes)
     codes = codes.reshape(x32.shape)
 
     compact_shape = list(x32.shape)
     compact_shape[axis] //= BLOCK_SIZE
-    t = MXTensor(codes.view(_NUMPY_ELEM_DTYPES[fmt.name]), scale.reshape(compact_shape), axis, fmt.name)
+    t = MXTensor(codes.view(_numpy_elem_dtype(fmt.name)), scale.reshape(compact_shape), axis, fmt.name)
     if scale_layout == "swizzled":
         from .swizzle import swizzle_scales
 
@@ -301,4 +310,4 @@ def mxfp8_dequantize(t: MXTensor, out_dtype: str = "float32") -> np.ndarray:
     nan = np.isnan(out)
     if nan.any():  # one NaN bit pattern whatever the hardware propagates (CPU keeps payloads, GPUs don't)
         out[nan] = np.float32(np.nan)
-    return out.astype(_OUT_NUMPY_DTYPES[out_dtype], copy=False)
+    return out.astype(_out_numpy_dtype(out_dtype), copy=False)

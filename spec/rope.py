@@ -46,9 +46,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import ml_dtypes
 import numpy as np
 
+from .lazy_ml_dtypes import ml_dtypes
 from .checks import (
     dtype_name,
     require_choice,
@@ -62,7 +62,11 @@ from .constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 TABLE_DTYPES = ("float32", "bfloat16")
 POSITION_DTYPES = ("int32", "int64")
 CU_SEQLENS_DTYPES = ("int32",)
-_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}  # and ml_dtypes' bfloat16: _numpy_dtype
+
+
+def _numpy_dtype(name: str):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else _NUMPY_DTYPES[name]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,7 +325,7 @@ def _apply(v, cos, sin, pos, first, second, sign, c_cols, s_cols, out_dtype):
 def _apply_quiet(v, cos, sin, pos, first, second, sign, c_cols, s_cols, out_dtype):
     rope_dim = cos.shape[-1]
     head_dim = v.shape[-1]
-    out_np = _NUMPY_DTYPES[out_dtype or str(v.dtype)]
+    out_np = _numpy_dtype(out_dtype or str(v.dtype))
     # Gather the token rows first (the tables can be long), then widen exactly to fp32: [..., 1, R].
     c = np.asarray(cos)[pos].astype(np.float32)[..., None, c_cols]
     s = np.asarray(sin)[pos].astype(np.float32)[..., None, s_cols]
