@@ -151,7 +151,15 @@ def _choose(op: str, backend: Optional[str], args: Tuple, kwargs: Tuple, env: An
     return f"{RESOLVED}{impl.backend}{':' + variant if variant else ''};{backend or ''}"
 
 
-@torch.compiler.assume_constant_result
+def _constant_to_dynamo(fn):
+    """`torch.compiler.assume_constant_result(fn)` without importing dynamo when this module is imported
+    (most of a second on a 2-core CPU, which an eager process never needs): that decorator sets only this
+    mark, which dynamo reads when it traces a call (tests/test_compile.py checks that the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_to_dynamo
 def resolve_described(op: str, backend: Optional[str], args: Tuple, kwargs: Tuple) -> str:
     """The resolved choice for described arguments (`describe`): a constant to dynamo, cached per
     description and MXMLA_BACKEND value."""

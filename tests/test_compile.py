@@ -139,6 +139,21 @@ def test_resolved_choice_is_dispatch_select():
     assert_bytes_equal(got.scale, want.scale, "scales")
 
 
+def test_resolution_is_marked_constant_as_torch_marks_it():
+    """resolve_described carries torch.compiler.assume_constant_result's mark, set without importing
+    dynamo: the torch decorator, applied to a fresh function, sets exactly that mark and nothing else
+    (a torch that marks differently fails here, not silently in a trace)."""
+
+    def probe():
+        return None
+
+    before = dict(vars(probe))
+    torch.compiler.assume_constant_result(probe)
+    added = {k: v for k, v in vars(probe).items() if k not in before}
+    assert added == {"_dynamo_marked_constant": True}
+    assert all(getattr(resolution.resolve_described, k, None) == v for k, v in added.items())
+
+
 def test_resolution_raises_the_validators_words_at_trace_time():
     kv = torch.randn(1, 64, 2, 256).bfloat16()
     bad_pe = torch.randn(1, 64, 3, 64).bfloat16()  # 3 heads against k_nope's 2

@@ -214,11 +214,11 @@ def test_backend_argument_of_the_wrong_type_names_backend(bad, entry):
         getattr(dispatch, entry)("mxfp8_quantize", x, backend=bad)
 
 
-def test_importing_dispatch_leaves_ml_dtypes_unloaded():
-    """ml_dtypes' extension takes most of a second to load (it registers every cast among its types
-    with NumPy); only spec's reference computations and the NumPy conversions use it, so a process that
-    imports dispatch and runs the torch backend's mxfp8 ops never loads it. A fresh interpreter, as a
-    training process starts."""
+def test_importing_dispatch_leaves_ml_dtypes_and_dynamo_unloaded():
+    """ml_dtypes' extension and torch's dynamo each take most of a second to import on a 2-core CPU.
+    Only spec's reference computations and the NumPy conversions use ml_dtypes, and only a trace uses
+    dynamo, so a process that imports dispatch and runs the torch backend's mxfp8 ops eagerly loads
+    neither. A fresh interpreter, as a training process starts."""
     import subprocess
     import sys
     from pathlib import Path
@@ -228,9 +228,9 @@ def test_importing_dispatch_leaves_ml_dtypes_unloaded():
         "backends.load()\n"
         "x = torch.randn(4, 64, dtype=torch.bfloat16)\n"
         "dispatch.autograd.mxfp8_quantize(x, axis=-1, backend='torch')\n"
-        "print('ml_dtypes' in sys.modules)\n"
+        "print('ml_dtypes' in sys.modules, 'torch._dynamo' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
