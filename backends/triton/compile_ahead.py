@@ -316,7 +316,8 @@ def encode_launch(names: List[str], merged: dict):
 
 def _unencodable_argument(args, kwargs) -> str:
     """Which launch argument call_signature could not encode, and why."""
-    for where, v in [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"keyword {k}", a) for k, a in kwargs.items())]:
+    places = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"keyword {k}", a) for k, a in kwargs.items())]
+    for where, v in places:
         try:
             _encode(v)
         except _Unencodable as e:
