@@ -7,12 +7,13 @@ autotuners' choices into <device>.json (backends/triton/pretuned.py).
     MXMLA_TRITON_AUTOTUNE=1 MXMLA_TRITON_PRETUNED=0 python tools/record_pretuned.py --what pretuned,compile
 
 Runs forward + backward of examples/mla_block.py's block on the mxfp8, bf16 and mxfp8-compile paths
-(the compiled graph launches kernels the eager path does not: the attention backward's dequantizations) at each shape,
-and of transformers' DeepseekV3Attention patched to mxfp8 (where transformers is installed), each under
-compile_ahead.recording() as its own workload ("<model> <path> <shape>": compile_ahead opens the
-workloads of one path together, by that name's second word, a compiled path with its eager one), then writes the workloads' launches,
-and the kernels a workload launched that the recording could not note (printed as NOT recorded, kept
-under the list's "not_recorded": they compile at their first launch in every process). The lists match
+(the compiled graph launches kernels the eager path does not: the attention backward's
+dequantizations) at each shape, and of transformers' DeepseekV3Attention patched to mxfp8 (where
+transformers is installed), each under compile_ahead.recording() as its own workload ("<model> <path>
+<shape>": compile_ahead opens the workloads of one path together, by that name's second word, a
+compiled path with its eager one). Then it writes the workloads' launches, and the kernels a workload
+launched that the recording could not note (printed as NOT recorded, kept under the list's
+"not_recorded": they compile at their first launch in every process). The lists match
 launches by what Triton specializes on, not by shape, so a few shapes cover every token and head
 count; they are recorded at two token counts because the heuristic tiles of some kernels change with
 the token count (rmsnorm's programs per band). A table of tile choices (--what pretuned) needs the
