@@ -65,7 +65,6 @@ _F32_NAN_BITS = 0x7FC00000
 _HALF_SUBNORMAL_MANT = 0x400000  # mantissa of 2^-127 = 0.5 * 2^-126, fp32's largest E8M0-0 value
 
 
-
 def _numpy_elem_dtype(elem: str):
     """ml_dtypes' type of an element format's codes (ml_dtypes loads at the first reference call)."""
     return getattr(ml_dtypes, ELEM_FORMATS[elem].numpy_dtype_name)
@@ -79,6 +78,7 @@ def _max_finite_code(elem: str) -> int:
 
 def _out_numpy_dtype(name: str) -> np.dtype:
     return np.dtype({"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[name])
+
 
 AxisArg = Union[int, Tuple[int, ...]]
 

@@ -62,11 +62,10 @@ from .constants import FLOAT_DTYPES, LAYOUTS, ROPE_STYLES
 TABLE_DTYPES = ("float32", "bfloat16")
 POSITION_DTYPES = ("int32", "int64")
 CU_SEQLENS_DTYPES = ("int32",)
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}  # and ml_dtypes' bfloat16: _numpy_dtype
 
 
 def _numpy_dtype(name: str):
-    return ml_dtypes.bfloat16 if name == "bfloat16" else _NUMPY_DTYPES[name]
+    return {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[name]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -222,10 +222,22 @@ def call_signature(kernel, args, kwargs) -> Optional[str]:
     keyword names and its arguments' values, each runtime value by the specialization it selects
     (_shape_free), so that a launch at any shape of a recorded class of shapes matches."""
     try:
-        values = [_encode(v) for v in (*args, *kwargs.values())]
+        values = _call_values(args, kwargs)
     except _Unencodable:
         return None
     return _match_string(_layers(kernel), list(kwargs), values, pretuned._base_function(kernel))
+
+
+def _call_values(args, kwargs) -> list:
+    """A launch's arguments encoded, positional then keyword; _Unencodable names the one that is not."""
+    values = []
+    places = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"keyword {k}", a) for k, a in kwargs.items())]
+    for where, v in places:
+        try:
+            values.append(_encode(v))
+        except _Unencodable as e:
+            raise _Unencodable(f"{where}: {e}") from None
+    return values
 
 
 def _normalized_call(stored: str) -> str:
@@ -314,17 +326,6 @@ def encode_launch(names: List[str], merged: dict):
     return values, options
 
 
-def _unencodable_argument(args, kwargs) -> str:
-    """Which launch argument call_signature could not encode, and why."""
-    places = [*((f"argument {i}", a) for i, a in enumerate(args)), *((f"keyword {k}", a) for k, a in kwargs.items())]
-    for where, v in places:
-        try:
-            _encode(v)
-        except _Unencodable as e:
-            return f"{where}: {e}"
-    return "argument"
-
-
 def note(kernel, args, kwargs, fn, merged) -> None:
     """fast_launch's hook after a launch it could reproduce: fn the JIT function, merged every
     parameter's value and the options as the launch resolved them."""
@@ -333,7 +334,10 @@ def note(kernel, args, kwargs, fn, merged) -> None:
         return
     call = call_signature(kernel, args, kwargs)
     if call is None:
-        rec.skipped.setdefault(kernel_name(kernel), f"unencodable {_unencodable_argument(args, kwargs)}")
+        try:
+            _call_values(args, kwargs)
+        except _Unencodable as e:  # what made call_signature give up
+            rec.skipped.setdefault(kernel_name(kernel), f"unencodable {e}")
         return
     if call in rec.launches:
         return
